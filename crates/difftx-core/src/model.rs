@@ -1,0 +1,541 @@
+//! The decoder-only model: embedding, pre-norm blocks (attention + SwiGLU), final norm, LM head.
+//!
+//! One `Attention` serves all three families; they differ only in how the projected heads are
+//! grouped into maps and how the maps are combined (SPEC §1). Weights are looked up by name from a
+//! flat map (`model.layers.N.self_attn.q_proj.weight`, ...), the same names Hugging Face Llama and
+//! DiffLlama use, so checkpoint code never reaches into the model.
+
+use crate::config::{Family, ModelConfig, RopeStyle};
+use crate::ops::{self, Kernels};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+use std::collections::HashMap;
+
+/// How a parameter is initialised.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    Normal(f64),
+    Ones,
+}
+
+/// Name, shape and initialisation of one parameter.
+#[derive(Debug, Clone)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+}
+
+/// Every parameter of a model with this config, in a fixed order (the init order).
+pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+    let (dm, d) = (cfg.d_model, cfg.head_dim());
+    let normal = Init::Normal(cfg.init_std);
+    let mut specs = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, init: Init| specs.push(ParamSpec { name, shape, init });
+    push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, dm], normal);
+    for l in 0..cfg.n_layers {
+        let p = format!("model.layers.{l}");
+        push(format!("{p}.input_layernorm.weight"), vec![dm], Init::Ones);
+        let q_out = cfg.n_q_proj_heads() * d;
+        let kv_out = cfg.n_kv_proj_heads() * d;
+        let o_in = match cfg.family {
+            Family::DiffV2 => cfg.n_heads * d,
+            _ => q_out,
+        };
+        push(format!("{p}.self_attn.q_proj.weight"), vec![q_out, dm], normal);
+        push(format!("{p}.self_attn.k_proj.weight"), vec![kv_out, dm], normal);
+        push(format!("{p}.self_attn.v_proj.weight"), vec![kv_out, dm], normal);
+        push(format!("{p}.self_attn.o_proj.weight"), vec![dm, o_in], normal);
+        match cfg.family {
+            Family::Baseline => {}
+            Family::DiffV1 => {
+                for n in ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"] {
+                    push(format!("{p}.self_attn.{n}"), vec![d], Init::Normal(cfg.lambda_std));
+                }
+                if cfg.subln_affine {
+                    push(format!("{p}.self_attn.subln.weight"), vec![2 * d], Init::Ones);
+                }
+            }
+            Family::DiffV2 => {
+                push(format!("{p}.self_attn.lambda_proj.weight"), vec![cfg.n_heads, dm], normal);
+            }
+        }
+        push(format!("{p}.post_attention_layernorm.weight"), vec![dm], Init::Ones);
+        push(format!("{p}.mlp.gate_proj.weight"), vec![cfg.d_ff, dm], normal);
+        push(format!("{p}.mlp.up_proj.weight"), vec![cfg.d_ff, dm], normal);
+        push(format!("{p}.mlp.down_proj.weight"), vec![dm, cfg.d_ff], normal);
+    }
+    push("model.norm.weight".into(), vec![dm], Init::Ones);
+    if !cfg.tie_embeddings {
+        push("lm_head.weight".into(), vec![cfg.vocab_size, dm], normal);
+    }
+    specs
+}
+
+/// Fresh weights, reproducible from `seed` (candle's own CPU RNG cannot be seeded).
+pub fn init_weights(cfg: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Vec<(String, Tensor)>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    param_specs(cfg)
+        .into_iter()
+        .map(|spec| {
+            let n: usize = spec.shape.iter().product();
+            let data: Vec<f64> = match spec.init {
+                Init::Ones => vec![1.0; n],
+                Init::Normal(std) => {
+                    let dist = Normal::new(0.0, std).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                    (0..n).map(|_| dist.sample(&mut rng)).collect()
+                }
+            };
+            let t = Tensor::from_vec(data, spec.shape.as_slice(), device)?.to_dtype(dtype)?;
+            Ok((spec.name, t))
+        })
+        .collect()
+}
+
+/// Looks weights up by name, checking shapes, with errors that name the tensor.
+struct WeightSource<'a> {
+    map: &'a HashMap<String, Tensor>,
+}
+
+impl WeightSource<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self
+            .map
+            .get(name)
+            .ok_or_else(|| candle_core::Error::Msg(format!("missing weight '{name}' (expected shape {shape:?})")))?;
+        if t.dims() != shape {
+            candle_core::bail!("weight '{name}' has shape {:?}, the config expects {shape:?}", t.dims());
+        }
+        Ok(t.clone())
+    }
+}
+
+/// RoPE cos/sin tables for positions 0..max_seq_len, [max_seq_len, d/2].
+#[derive(Debug, Clone)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    style: RopeStyle,
+}
+
+impl Rope {
+    fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let d = cfg.head_dim();
+        let half = d / 2;
+        let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
+        let mut cos = Vec::with_capacity(cfg.max_seq_len * half);
+        let mut sin = Vec::with_capacity(cfg.max_seq_len * half);
+        for pos in 0..cfg.max_seq_len {
+            for &f in &inv_freq {
+                // In f32 models the angle is rounded as Hugging Face computes it (f32 inv_freq times
+                // f32 position), so imported models match to the last bits; f64 models stay exact.
+                let angle = if dtype == DType::F64 { pos as f64 * f } else { (pos as f32 * f as f32) as f64 };
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let shape = (cfg.max_seq_len, half);
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+            style: cfg.rope_style,
+        })
+    }
+
+    /// Rotates x: [B, T, H, d] at positions offset..offset+T.
+    fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        let (b, t, h, d) = x.dims4()?;
+        let half = d / 2;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
+        match self.style {
+            RopeStyle::Interleaved => {
+                // Pairs (2i, 2i+1).
+                let x = x.reshape((b, t, h, half, 2))?;
+                let (x0, x1) = (x.narrow(4, 0, 1)?, x.narrow(4, 1, 1)?);
+                let cos = cos.reshape((1, t, 1, half, 1))?;
+                let sin = sin.reshape((1, t, 1, half, 1))?;
+                let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+                let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+                Tensor::cat(&[y0, y1], 4)?.reshape((b, t, h, d))
+            }
+            RopeStyle::RotateHalf => {
+                // Pairs (i, i + d/2).
+                let (x0, x1) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+                let cos = cos.reshape((1, t, 1, half))?;
+                let sin = sin.reshape((1, t, 1, half))?;
+                let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+                let y1 = (x1.broadcast_mul(&cos)? + x0.broadcast_mul(&sin)?)?;
+                Tensor::cat(&[y0, y1], 3)
+            }
+        }
+    }
+}
+
+/// x: [N, in] times w: [out, in] -> [N, out] (PyTorch's Linear layout, no bias).
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// Per-layer key/value cache for incremental decoding; k, v stored as [B, Hkv, S, d].
+pub struct KvCache {
+    layers: Vec<candle_nn::kv_cache::KvCache>,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        KvCache {
+            layers: (0..cfg.n_layers)
+                .map(|_| candle_nn::kv_cache::KvCache::new(2, cfg.max_seq_len))
+                .collect(),
+        }
+    }
+    /// Number of positions already cached.
+    pub fn seq_len(&self) -> usize {
+        self.layers.first().map(|c| c.current_seq_len()).unwrap_or(0)
+    }
+    pub fn reset(&mut self) {
+        self.layers.iter_mut().for_each(|c| c.reset());
+    }
+}
+
+/// What a forward pass may record for analysis (experiments, interop checks).
+#[derive(Default)]
+pub struct Probe {
+    pub capture_hidden: bool,
+    pub capture_attention: bool,
+    /// Embedding output, then each block's output (before the final norm).
+    pub hidden: Vec<Tensor>,
+    /// Per layer: raw attention logits q·kᵀ·scale of every map, [B, maps, T, S] (no mask).
+    pub attn_logits: Vec<Tensor>,
+    /// Per layer: the effective attention map [B, heads, T, S] (diff: A1 - lambda·A2).
+    pub attn_maps: Vec<Tensor>,
+    /// Per layer lambda: diff-v1 scalar [1]; diff-v2 per token and pair [B, H, T]; baseline none.
+    pub lambdas: Vec<Option<Tensor>>,
+}
+
+enum AttnKind {
+    Baseline,
+    DiffV1 {
+        lambda_q1: Tensor,
+        lambda_k1: Tensor,
+        lambda_q2: Tensor,
+        lambda_k2: Tensor,
+        subln: Option<Tensor>,
+        lambda_init: f64,
+    },
+    DiffV2 {
+        lambda_proj: Tensor,
+    },
+}
+
+struct Attention {
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    kind: AttnKind,
+    n_q: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(w: &WeightSource, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let p = format!("model.layers.{layer}.self_attn");
+        let (dm, d) = (cfg.d_model, cfg.head_dim());
+        let (n_q, n_kv) = (cfg.n_q_proj_heads(), cfg.n_kv_proj_heads());
+        let o_in = if cfg.family == Family::DiffV2 { cfg.n_heads * d } else { n_q * d };
+        let kind = match cfg.family {
+            Family::Baseline => AttnKind::Baseline,
+            Family::DiffV1 => AttnKind::DiffV1 {
+                lambda_q1: w.get(&format!("{p}.lambda_q1"), &[d])?,
+                lambda_k1: w.get(&format!("{p}.lambda_k1"), &[d])?,
+                lambda_q2: w.get(&format!("{p}.lambda_q2"), &[d])?,
+                lambda_k2: w.get(&format!("{p}.lambda_k2"), &[d])?,
+                subln: if cfg.subln_affine { Some(w.get(&format!("{p}.subln.weight"), &[2 * d])?) } else { None },
+                lambda_init: ModelConfig::lambda_init(layer),
+            },
+            Family::DiffV2 => AttnKind::DiffV2 { lambda_proj: w.get(&format!("{p}.lambda_proj.weight"), &[cfg.n_heads, dm])? },
+        };
+        Ok(Attention {
+            q_proj: w.get(&format!("{p}.q_proj.weight"), &[n_q * d, dm])?,
+            k_proj: w.get(&format!("{p}.k_proj.weight"), &[n_kv * d, dm])?,
+            v_proj: w.get(&format!("{p}.v_proj.weight"), &[n_kv * d, dm])?,
+            o_proj: w.get(&format!("{p}.o_proj.weight"), &[dm, o_in])?,
+            kind,
+            n_q,
+            n_kv,
+            head_dim: d,
+        })
+    }
+
+    /// x: [B·T, D] -> [B·T, D].
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Tensor,
+        (b, t): (usize, usize),
+        rope: &Rope,
+        cache: Option<&mut candle_nn::kv_cache::KvCache>,
+        offset: usize,
+        kernels: Kernels,
+        probe: Option<&mut Probe>,
+        pairing: crate::config::HeadPairing,
+        subln_eps: f64,
+    ) -> Result<Tensor> {
+        let d = self.head_dim;
+        let q = linear(x, &self.q_proj)?.reshape((b, t, self.n_q, d))?;
+        let k = linear(x, &self.k_proj)?.reshape((b, t, self.n_kv, d))?;
+        let v = linear(x, &self.v_proj)?.reshape((b, t, self.n_kv, d))?;
+        // [B, heads, T, d], rotated at absolute positions.
+        let q = rope.apply(&q, offset)?.transpose(1, 2)?.contiguous()?;
+        let k = rope.apply(&k, offset)?.transpose(1, 2)?.contiguous()?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let (k, v) = match cache {
+            Some(c) => c.append(&k, &v)?,
+            None => (k, v),
+        };
+        let scale = 1.0 / (d as f64).sqrt();
+
+        let out = match &self.kind {
+            AttnKind::Baseline => {
+                if let Some(p) = probe.filter(|p| p.capture_attention) {
+                    p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
+                    p.attn_maps.push(ops::attention_probs(&q, &k, scale, offset, kernels)?);
+                    p.lambdas.push(None);
+                }
+                // [B, H, T, d] -> [B·T, H·d]
+                ops::attention(&q, &k, &v, scale, offset, kernels)?
+            }
+            AttnKind::DiffV1 { lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln, lambda_init } => {
+                // Two query maps and two key maps per head, one value of width 2d (SPEC §1.2).
+                let (q1, q2) = split_pairs(&q, pairing)?; // [B, H/2, T, d] each
+                let (k1, k2) = split_pairs(&k, pairing)?; // [B, Hkv/2, S, d] each
+                let (v1, v2) = split_pairs(&v, pairing)?;
+                let v = Tensor::cat(&[v1, v2], 3)?; // [B, Hkv/2, S, 2d]
+                // lambda = exp(lq1·lk1) - exp(lq2·lk2) + lambda_init, one scalar per layer.
+                let dot = |a: &Tensor, c: &Tensor| -> Result<Tensor> { (a * c)?.sum_keepdim(0)?.exp() };
+                let lambda = ((dot(lambda_q1, lambda_k1)? - dot(lambda_q2, lambda_k2)?)? + *lambda_init)?;
+                if let Some(p) = probe.filter(|p| p.capture_attention) {
+                    let s1 = ops::attention_scores(&q1, &k1, scale)?;
+                    let s2 = ops::attention_scores(&q2, &k2, scale)?;
+                    p.attn_logits.push(Tensor::cat(&[s1, s2], 1)?);
+                    let a1 = ops::attention_probs(&q1, &k1, scale, offset, kernels)?;
+                    let a2 = ops::attention_probs(&q2, &k2, scale, offset, kernels)?;
+                    p.attn_maps.push(a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?);
+                    p.lambdas.push(Some(lambda.clone()));
+                }
+                let o1 = ops::attention(&q1, &k1, &v, scale, offset, kernels)?;
+                let o2 = ops::attention(&q2, &k2, &v, scale, offset, kernels)?;
+                let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
+                let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
+                (o * (1.0 - lambda_init))?
+            }
+            AttnKind::DiffV2 { lambda_proj } => {
+                // One attention over 2H query heads; pair j = heads (2j, 2j+1) (SPEC §1.3).
+                let h = self.n_q / 2;
+                let o = ops::attention(&q, &k, &v, scale, offset, kernels)?; // [B, 2H, T, d]
+                let tq = o.dim(2)?;
+                let o = o.reshape((b, h, 2, tq, d))?;
+                let (oa, ob) = (o.i((.., .., 0))?, o.i((.., .., 1))?); // [B, H, T, d]
+                // lambda_{t,j} = sigmoid(x_t · W_lambda[:, j]) -> [B, H, T, 1]
+                let lambda = candle_nn::ops::sigmoid(&linear(x, lambda_proj)?)?
+                    .reshape((b, t, h))?
+                    .transpose(1, 2)?
+                    .unsqueeze(3)?;
+                if let Some(p) = probe.filter(|p| p.capture_attention) {
+                    p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
+                    let a = ops::attention_probs(&q, &k, scale, offset, kernels)?;
+                    let s = a.dim(3)?;
+                    let a = a.reshape((b, h, 2, tq, s))?;
+                    p.attn_maps.push(a.i((.., .., 0))?.broadcast_sub(&a.i((.., .., 1))?.broadcast_mul(&lambda)?)?);
+                    p.lambdas.push(Some(lambda.squeeze(3)?));
+                }
+                oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)?
+            }
+        };
+        let (_, heads, _, width) = out.dims4()?;
+        let out = out.transpose(1, 2)?.reshape((b * t, heads * width))?;
+        linear(&out, &self.o_proj)
+    }
+}
+
+/// Splits the head axis (dim 1) of [B, heads, T, d] into the two maps of each pair (SPEC §1.4).
+fn split_pairs(x: &Tensor, pairing: crate::config::HeadPairing) -> Result<(Tensor, Tensor)> {
+    let (b, heads, t, d) = x.dims4()?;
+    let half = heads / 2;
+    match pairing {
+        crate::config::HeadPairing::Interleaved => {
+            let x = x.reshape((b, half, 2, t, d))?;
+            Ok((x.i((.., .., 0))?, x.i((.., .., 1))?))
+        }
+        crate::config::HeadPairing::Halves => Ok((x.narrow(1, 0, half)?, x.narrow(1, half, half)?)),
+    }
+}
+
+struct Mlp {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&linear(x, &self.gate)?)? * linear(x, &self.up)?)?;
+        linear(&h, &self.down)
+    }
+}
+
+struct Block {
+    input_norm: Tensor,
+    attn: Attention,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// A decoder-only language model of any family.
+pub struct Model {
+    cfg: ModelConfig,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    /// Which implementation of the hot ops to run.
+    pub kernels: Kernels,
+}
+
+impl Model {
+    /// Builds a model from named weights (shapes checked against the config).
+    pub fn from_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Result<Self> {
+        cfg.validate().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let w = WeightSource { map: weights };
+        let dm = cfg.d_model;
+        let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, dm])?;
+        let (dtype, device) = (embed.dtype(), embed.device().clone());
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let p = format!("model.layers.{l}");
+            blocks.push(Block {
+                input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[dm])?,
+                attn: Attention::load(&w, cfg, l)?,
+                post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[dm])?,
+                mlp: Mlp {
+                    gate: w.get(&format!("{p}.mlp.gate_proj.weight"), &[cfg.d_ff, dm])?,
+                    up: w.get(&format!("{p}.mlp.up_proj.weight"), &[cfg.d_ff, dm])?,
+                    down: w.get(&format!("{p}.mlp.down_proj.weight"), &[dm, cfg.d_ff])?,
+                },
+            });
+        }
+        let lm_head = if cfg.tie_embeddings { embed.clone() } else { w.get("lm_head.weight", &[cfg.vocab_size, dm])? };
+        Ok(Model {
+            cfg: cfg.clone(),
+            norm: w.get("model.norm.weight", &[dm])?,
+            embed,
+            blocks,
+            lm_head,
+            rope: Rope::new(cfg, dtype, &device)?,
+            kernels: Kernels::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Logits [B, T, V] for token ids [B, T] (u32). With a cache, the ids continue the cached
+    /// sequence and are appended to it.
+    pub fn forward(&self, ids: &Tensor, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        self.forward_probe(ids, cache, None)
+    }
+
+    /// As `forward`, recording what `probe` asks for.
+    pub fn forward_probe(&self, ids: &Tensor, cache: Option<&mut KvCache>, probe: Option<&mut Probe>) -> Result<Tensor> {
+        let h = self.hidden_states(ids, cache, probe)?;
+        let (b, t, dm) = h.dims3()?;
+        linear(&h.reshape((b * t, dm))?, &self.lm_head)?.reshape((b, t, self.cfg.vocab_size))
+    }
+
+    /// Final-normed hidden states [B, T, D].
+    pub fn hidden_states(&self, ids: &Tensor, mut cache: Option<&mut KvCache>, mut probe: Option<&mut Probe>) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let offset = cache.as_ref().map(|c| c.seq_len()).unwrap_or(0);
+        if offset + t > self.cfg.max_seq_len {
+            candle_core::bail!(
+                "sequence of {} tokens is longer than the model's context of {} tokens",
+                offset + t,
+                self.cfg.max_seq_len
+            );
+        }
+        let kernels = self.kernels;
+        let mut x = self.embed.index_select(&ids.flatten_all()?, 0)?; // [B·T, D]
+        let capture_hidden = probe.as_ref().is_some_and(|p| p.capture_hidden);
+        if capture_hidden {
+            if let Some(p) = probe.as_deref_mut() {
+                p.hidden.push(x.reshape((b, t, self.cfg.d_model))?);
+            }
+        }
+        for (l, block) in self.blocks.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[l]);
+            let h = ops::rms_norm(&x, Some(&block.input_norm), self.cfg.norm_eps, kernels)?;
+            let a = block.attn.forward(
+                &h,
+                (b, t),
+                &self.rope,
+                layer_cache,
+                offset,
+                kernels,
+                probe.as_deref_mut(),
+                self.cfg.head_pairing,
+                self.cfg.subln_eps,
+            )?;
+            let y = (x + a)?;
+            let h = ops::rms_norm(&y, Some(&block.post_norm), self.cfg.norm_eps, kernels)?;
+            x = (&y + block.mlp.forward(&h)?)?;
+            if capture_hidden {
+                if let Some(p) = probe.as_deref_mut() {
+                    p.hidden.push(x.reshape((b, t, self.cfg.d_model))?);
+                }
+            }
+        }
+        ops::rms_norm(&x, Some(&self.norm), self.cfg.norm_eps, kernels)?.reshape((b, t, self.cfg.d_model))
+    }
+
+    /// Mean next-token cross-entropy (nats) of logits [B, T, V] against targets [B, T].
+    pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (b, t, v) = logits.dims3()?;
+        let logits = logits.reshape((b * t, v))?;
+        let logits = if logits.dtype() == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// The current lambda of each layer: diff-v1 only (diff-v2's lambda depends on the token).
+    pub fn lambdas(&self) -> Result<Vec<f64>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| match &b.attn.kind {
+                AttnKind::DiffV1 { lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init, .. } => Some((|| {
+                    let dot = |a: &Tensor, c: &Tensor| -> Result<f64> { (a * c)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>() };
+                    Ok(dot(lambda_q1, lambda_k1)?.exp() - dot(lambda_q2, lambda_k2)?.exp() + lambda_init)
+                })()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Convenience: the last position's logits as a Vec<f32> for sampling, from [1, T, V].
+pub fn last_logits(logits: &Tensor) -> Result<Vec<f32>> {
+    let t = logits.dim(1)?;
+    logits.i((0, t - 1))?.to_dtype(DType::F32)?.to_vec1::<f32>()
+}

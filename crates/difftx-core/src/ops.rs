@@ -1,0 +1,99 @@
+//! Numeric building blocks the model calls, each in two implementations:
+//! `Reference` (composed candle ops: slow, obviously right, differentiable) and `Fused`
+//! (difftx-kernels custom ops with hand-written backward). The model picks one per instance, so
+//! tests can compare the two paths on the same weights.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// Which implementation of the hot ops a model uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// Composed candle ops (autograd through every primitive).
+    #[default]
+    Reference,
+}
+
+/// Softmax over the last dimension.
+pub fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Reference => {
+            let max = x.max_keepdim(D::Minus1)?;
+            let e = x.broadcast_sub(&max)?.exp()?;
+            e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+        }
+    }
+}
+
+/// RMSNorm over the last dimension with an optional gain, statistics in at least f32.
+pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Reference => {
+            let dtype = x.dtype();
+            let xf = if dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
+            let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+            let y = xf.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dtype)?;
+            match gain {
+                Some(g) => y.broadcast_mul(g),
+                None => Ok(y),
+            }
+        }
+    }
+}
+
+/// Causal attention with GQA, the single-map primitive all three families are built from.
+///
+/// q: [B, Hq, T, dk], k: [B, Hk, S, dk], v: [B, Hk, S, dv]; query head i uses kv head
+/// i / (Hq / Hk). Query row t sits at absolute position t + q_offset and sees keys s <= t + q_offset.
+/// Returns [B, Hq, T, dv].
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Reference => {
+            let probs = attention_probs(q, k, scale, q_offset, kernels)?; // [B, Hq, T, S]
+            let (b, hq, t, s) = probs.dims4()?;
+            let (_, hk, _, dv) = v.dims4()?;
+            let rep = hq / hk;
+            probs
+                .reshape((b, hk, rep * t, s))?
+                .matmul(&v.contiguous()?)?
+                .reshape((b, hq, t, dv))
+        }
+    }
+}
+
+/// Attention maps softmax(q kᵀ·scale + causal mask): [B, Hq, T, S]. Materialises the maps, so it
+/// is the reference path and the probe used by the experiments.
+pub fn attention_probs(q: &Tensor, k: &Tensor, scale: f64, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
+    let scores = attention_scores(q, k, scale)?;
+    let (_, _, t, s) = scores.dims4()?;
+    let scores = match causal_mask(t, s, q_offset, scores.dtype(), scores.device())? {
+        Some(mask) => scores.broadcast_add(&mask)?,
+        None => scores,
+    };
+    softmax_last_dim(&scores, kernels)
+}
+
+/// Raw attention logits q kᵀ·scale (no mask): [B, Hq, T, S], GQA without copying k.
+pub fn attention_scores(q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
+    let (b, hq, t, dk) = q.dims4()?;
+    let (_, hk, s, _) = k.dims4()?;
+    if hq % hk != 0 {
+        candle_core::bail!("attention: {hq} query heads are not a multiple of {hk} kv heads");
+    }
+    let rep = hq / hk;
+    let q = q.contiguous()?.reshape((b, hk, rep * t, dk))?;
+    let scores = q.matmul(&k.t()?)?;
+    (scores * scale)?.reshape((b, hq, t, s))
+}
+
+/// Additive causal mask [T, S] (0 or -inf) for queries at positions q_offset..q_offset+T, or None
+/// when every query sees every key.
+pub fn causal_mask(t: usize, s: usize, q_offset: usize, dtype: DType, device: &Device) -> Result<Option<Tensor>> {
+    if q_offset + 1 >= s {
+        // Even the first query sees every key (decoding one token against a cache).
+        return Ok(None);
+    }
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..s).map(move |j| if j > i + q_offset { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(mask, (t, s), device)?.to_dtype(dtype)?))
+}
