@@ -1,1 +1,492 @@
-fn main() {}
+//! `difftx`: the command line. A thin layer over difftx-core and difftx-train: it parses
+//! arguments, reads files, and prints; all the work is in the libraries.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::{Args, Parser, Subcommand};
+use difftx_core::checkpoint;
+use difftx_core::generate::{generate, Sampler, SamplingParams};
+use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
+use difftx_core::{Family, Kernels, ModelConfig};
+use difftx_train::data::{load_texts, TokenDataset};
+use difftx_train::optim::{AdamWParams, Decay};
+use difftx_train::trainer::{self, RunControl, TrainOptions};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Parser)]
+#[command(name = "difftx", version, about = "Train, run and inspect Differential Transformers (baseline, diff-v1, diff-v2) on the CPU.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on text (a file, a folder of .txt files, or JSONL), or resume a run.
+    Train(TrainArgs),
+    /// Generate text from a model, streamed to stdout.
+    Generate(GenerateArgs),
+    /// Validation loss, perplexity and bits per byte of a model on a text.
+    Eval(EvalArgs),
+    /// Dump logits for token ids: IN holds an int64 `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V].
+    Logits(LogitsArgs),
+    /// Show a config's shapes and parameter counts for all three families side by side.
+    Info(InfoArgs),
+    /// Tokenizer tools.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer on text files and write tokenizer.json.
+    Train {
+        /// Vocabulary size (>= 256: all bytes are always in the vocabulary).
+        #[arg(long, default_value_t = 1024)]
+        vocab: usize,
+        /// Output tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
+        /// Text files to learn from (default: the bundled corpus).
+        files: Vec<PathBuf>,
+    },
+}
+
+/// Where the model's shape comes from: a preset or a JSON config, plus the family.
+#[derive(Args, Clone)]
+struct ModelSource {
+    /// Model preset: tiny (tests, demo), bench-s (benchmarks), small (~20M parameters).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// A JSON model config (overrides --preset); see `difftx info --print-config`.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Attention family: baseline, diff-v1 (the paper) or diff-v2.
+    #[arg(long, default_value = "diff-v1")]
+    family: Family,
+}
+
+impl ModelSource {
+    fn resolve(&self) -> Result<ModelConfig> {
+        let cfg = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+                let cfg: ModelConfig =
+                    serde_json::from_str(&text).with_context(|| format!("{} is not a valid model config", path.display()))?;
+                cfg.with_family(self.family)
+            }
+            None => ModelConfig::preset(&self.preset, self.family)?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    model: ModelSource,
+    /// Training text: a file, a folder of .txt files, or a .jsonl file (see --field).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// JSONL field holding the text.
+    #[arg(long, default_value = "text")]
+    field: String,
+    /// A tokenizer.json (default: bytes, vocabulary 256).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Run folder: checkpoint/, metrics.jsonl, train_config.json.
+    #[arg(long, default_value = "runs/default")]
+    out: PathBuf,
+    /// Continue the run in --out from its last checkpoint (its saved options are used).
+    #[arg(long)]
+    resume: bool,
+    /// Total optimizer steps.
+    #[arg(long, default_value_t = 600)]
+    steps: usize,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Tokens per training sequence (default: the model's context).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 50)]
+    warmup: usize,
+    /// Decay after warmup: cosine, linear or constant.
+    #[arg(long, default_value = "cosine")]
+    schedule: Decay,
+    /// Final learning rate as a fraction of the peak.
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_ratio: f64,
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    /// Clip the global gradient norm to this (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f64,
+    #[arg(long, default_value_t = 100)]
+    eval_every: usize,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    #[arg(long, default_value_t = 200)]
+    checkpoint_every: usize,
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Fraction of the token stream held out for validation (taken from its end).
+    #[arg(long, default_value_t = 0.05)]
+    val_fraction: f64,
+    /// Stop after this many seconds in this invocation (a checkpoint is written; --resume continues).
+    #[arg(long)]
+    time_limit: Option<f64>,
+    /// Stop after this many steps in this invocation (a checkpoint is written; --resume continues).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Print a sample of this many tokens when training ends (0: none).
+    #[arg(long, default_value_t = 200)]
+    sample_tokens: usize,
+    /// Hot-op implementation: fused (default when built) or reference.
+    #[arg(long, default_value = "default")]
+    kernels: KernelChoice,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum KernelChoice {
+    Default,
+    Reference,
+}
+
+impl KernelChoice {
+    fn get(self) -> Kernels {
+        match self {
+            KernelChoice::Default => Kernels::default(),
+            KernelChoice::Reference => Kernels::Reference,
+        }
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Model folder or training run folder.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Text to evaluate on (file, folder of .txt, or JSONL).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value = "text")]
+    field: String,
+    /// Sequence length (default: the model's context).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// At most this many batches.
+    #[arg(long, default_value_t = 50)]
+    max_batches: usize,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// safetensors file with an integer tensor `input_ids` [B, T].
+    #[arg(long)]
+    ids: PathBuf,
+    /// Output safetensors file (f32 `logits` [B, T, V]).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct InfoArgs {
+    #[command(flatten)]
+    model: ModelSource,
+    /// Also print the full JSON config of the chosen family.
+    #[arg(long)]
+    print_config: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(a) => cmd_train(a),
+        Command::Generate(a) => cmd_generate(a),
+        Command::Eval(a) => cmd_eval(a),
+        Command::Logits(a) => cmd_logits(a),
+        Command::Info(a) => cmd_info(a),
+        Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
+            let files = if files.is_empty() { vec![default_data()?] } else { files };
+            difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
+            println!("wrote {}", out.display());
+            Ok(())
+        }
+    }
+}
+
+/// The bundled corpus: `data/shakespeare.txt` in the working folder or the source tree.
+fn default_data() -> Result<PathBuf> {
+    let rel = Path::new("data/shakespeare.txt");
+    if rel.is_file() {
+        return Ok(rel.to_path_buf());
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
+    if src.is_file() {
+        return Ok(src);
+    }
+    bail!("no --data given and the bundled corpus data/shakespeare.txt was not found; pass --data PATH")
+}
+
+fn load_tokenizer(path: Option<&Path>) -> Result<Tokenizer> {
+    match path {
+        Some(p) => Tokenizer::from_file(p),
+        None => Ok(Tokenizer::bytes()),
+    }
+}
+
+fn cmd_train(a: TrainArgs) -> Result<()> {
+    let ctl = RunControl {
+        stop_after: a.stop_after,
+        time_limit_secs: a.time_limit,
+        kernels: a.kernels.get(),
+        progress: std::io::stderr().is_terminal(),
+    };
+    let (opts, summary) = if a.resume {
+        let opts = trainer::read_options(&a.out)?;
+        let tok = load_tokenizer(opts.tokenizer.as_deref())?;
+        let texts = load_texts(&opts.data, &opts.jsonl_field)?;
+        let ds = TokenDataset::build(&texts, &tok, opts.seq_len, opts.val_fraction)?;
+        eprintln!("resuming {} ({} {}, {} steps)", a.out.display(), opts.model.family, param_summary(&opts.model), opts.steps);
+        let s = trainer::train_resume(&a.out, &tok, &ds, &ctl)?;
+        (opts, s)
+    } else {
+        let mut model = a.model.resolve()?;
+        let tok = load_tokenizer(a.tokenizer.as_deref())?;
+        if a.tokenizer.is_some() {
+            model.vocab_size = tok.vocab_size();
+        }
+        let data = match &a.data {
+            Some(d) => d.clone(),
+            None => default_data()?,
+        };
+        let seq_len = a.seq_len.unwrap_or(model.max_seq_len);
+        let opts = TrainOptions {
+            model,
+            data: data.clone(),
+            jsonl_field: a.field.clone(),
+            tokenizer: a.tokenizer.clone(),
+            steps: a.steps,
+            batch_size: a.batch_size,
+            seq_len,
+            grad_accum: a.grad_accum,
+            lr: a.lr,
+            min_lr_ratio: a.min_lr_ratio,
+            warmup_steps: a.warmup,
+            decay: a.schedule,
+            adamw: AdamWParams { weight_decay: a.weight_decay, ..Default::default() },
+            grad_clip: a.grad_clip,
+            eval_every: a.eval_every,
+            eval_batches: a.eval_batches,
+            checkpoint_every: a.checkpoint_every,
+            log_every: a.log_every,
+            seed: a.seed,
+            val_fraction: a.val_fraction,
+        };
+        opts.validate()?;
+        let texts = load_texts(&data, &a.field)?;
+        let ds = TokenDataset::build(&texts, &tok, seq_len, opts.val_fraction)?;
+        eprintln!(
+            "training {} {} on {} ({} train / {} validation tokens) -> {}",
+            opts.model.family,
+            param_summary(&opts.model),
+            data.display(),
+            ds.train.len(),
+            ds.val.len(),
+            a.out.display()
+        );
+        let s = trainer::train_new(&a.out, &opts, &tok, &ds, &ctl)?;
+        (opts, s)
+    };
+    let st = &summary.state;
+    let (init, last) = (st.initial_val_loss.unwrap_or(f64::NAN), st.last_val_loss.unwrap_or(f64::NAN));
+    println!(
+        "{} after {}/{} steps ({} tokens, {:.0} tokens/s): validation loss {:.4} -> {:.4} ({:.1}% lower)",
+        if summary.finished { "finished" } else { "stopped" },
+        st.step,
+        opts.steps,
+        st.tokens_seen,
+        summary.tokens_per_sec,
+        init,
+        last,
+        100.0 * (init - last) / init
+    );
+    println!("checkpoint: {}", a.out.join(checkpoint::RUN_CHECKPOINT).display());
+    if !summary.finished {
+        println!("continue with: difftx train --resume --out {}", a.out.display());
+    }
+    if a.sample_tokens > 0 {
+        let model = checkpoint::load_runnable(&a.out, &Device::Cpu)?;
+        let tok = Tokenizer::from_model_dir(&checkpoint::resolve_model_dir(&a.out)?)?;
+        println!("--- sample (temperature 0.8) ---");
+        stream_generate(&model, &tok, "ROMEO:", a.sample_tokens, SamplingParams { temperature: 0.8, seed: 0, ..Default::default() })?;
+        println!();
+    }
+    Ok(())
+}
+
+fn param_summary(cfg: &ModelConfig) -> String {
+    format!("{:.2}M params", cfg.param_counts().total as f64 / 1e6)
+}
+
+fn stream_generate(model: &difftx_core::Model, tok: &Tokenizer, prompt: &str, n: usize, params: SamplingParams) -> Result<()> {
+    let ids = tok.encode(prompt)?;
+    let mut sampler = Sampler::new(params)?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{prompt}")?;
+    let mut dec = StreamDecoder::new(tok);
+    generate(model, &ids, n, &mut sampler, |id| {
+        write!(out, "{}", dec.push(id)?)?;
+        out.flush()?;
+        Ok(())
+    })?;
+    write!(out, "{}", dec.finish()?)?;
+    out.flush()?;
+    Ok(())
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let dir = checkpoint::resolve_model_dir(&a.model)?;
+    let model = checkpoint::load_runnable(&dir, &Device::Cpu)?;
+    let tok = Tokenizer::from_model_dir(&dir)?;
+    let params = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params)?;
+    println!();
+    Ok(())
+}
+
+fn cmd_eval(a: EvalArgs) -> Result<()> {
+    let dir = checkpoint::resolve_model_dir(&a.model)?;
+    let model = checkpoint::load_runnable(&dir, &Device::Cpu)?;
+    let tok = Tokenizer::from_model_dir(&dir)?;
+    let seq_len = a.seq_len.unwrap_or(model.config().max_seq_len);
+    if seq_len > model.config().max_seq_len {
+        bail!("--seq-len {seq_len} exceeds the model's context {}", model.config().max_seq_len);
+    }
+    let texts = load_texts(&a.data, &a.field)?;
+    let bytes: usize = texts.iter().map(|t| t.len()).sum();
+    let mut tokens = Vec::new();
+    for t in &texts {
+        tokens.extend(tok.encode(t)?);
+    }
+    if tokens.len() < seq_len + 1 {
+        bail!("{}: the text has {} tokens, shorter than one sequence of {}", a.data.display(), tokens.len(), seq_len + 1);
+    }
+    // Evaluate the whole text as validation data: non-overlapping windows from the start.
+    let ds = TokenDataset { train: Vec::new(), val: tokens.clone() };
+    let batches = ds.val_batches(a.batch_size, seq_len, a.max_batches);
+    let loss = trainer::evaluate(&model, &batches, seq_len)?;
+    let evaluated: usize = batches.iter().map(|b| b.2 * seq_len).sum();
+    let bytes_per_token = bytes as f64 / tokens.len() as f64;
+    let bpb = loss / std::f64::consts::LN_2 / bytes_per_token;
+    let report = serde_json::json!({
+        "model": dir, "data": a.data, "tokens_evaluated": evaluated, "loss": loss,
+        "perplexity": loss.exp(), "bits_per_byte": bpb, "bytes_per_token": bytes_per_token,
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn cmd_logits(a: LogitsArgs) -> Result<()> {
+    let model = checkpoint::load_runnable(&a.model, &Device::Cpu)?;
+    let inputs = checkpoint::read_safetensors(&a.ids, &Device::Cpu)?;
+    let ids = inputs
+        .get("input_ids")
+        .with_context(|| format!("{} has no tensor named 'input_ids'", a.ids.display()))?;
+    if ids.rank() != 2 {
+        bail!("{}: input_ids must have shape [B, T], got {:?}", a.ids.display(), ids.dims());
+    }
+    let as_i64 = ids.to_dtype(DType::I64)?;
+    let vals = as_i64.flatten_all()?.to_vec1::<i64>()?;
+    let vocab = model.config().vocab_size as i64;
+    if let Some(bad) = vals.iter().find(|&&v| v < 0 || v >= vocab) {
+        bail!("{}: input_ids contains {bad}, outside the model's vocabulary 0..{vocab}", a.ids.display());
+    }
+    let ids = Tensor::from_vec(vals.iter().map(|&v| v as u32).collect::<Vec<_>>(), ids.dims(), &Device::Cpu)?;
+    let logits = model.forward(&ids, None)?.to_dtype(DType::F32)?;
+    let bytes = checkpoint::safetensors_bytes(&[("logits".to_string(), logits)])?;
+    checkpoint::write_atomic(&a.out, &bytes)?;
+    eprintln!("wrote logits {:?} to {}", [ids.dim(0)?, ids.dim(1)?, vocab as usize], a.out.display());
+    Ok(())
+}
+
+fn cmd_info(a: InfoArgs) -> Result<()> {
+    let cfg = a.model.resolve()?;
+    println!(
+        "D {}  layers {}  baseline heads {} (kv {})  head dim {}  SwiGLU {}  vocab {}  context {}",
+        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim(), cfg.d_ff, cfg.vocab_size, cfg.max_seq_len
+    );
+    println!("{:<28}{:>14}{:>14}{:>14}", "parameters", "baseline", "diff-v1", "diff-v2");
+    let counts: Vec<_> = Family::ALL.iter().map(|f| cfg.with_family(*f).param_counts()).collect();
+    let rows: [(&str, fn(&difftx_core::config::ParamCounts) -> usize); 7] = [
+        ("embedding", |c| c.embedding),
+        ("attention projections", |c| c.attention_projections),
+        ("attention extra (λ, norm)", |c| c.attention_extra),
+        ("SwiGLU", |c| c.mlp),
+        ("norms", |c| c.norms),
+        ("LM head", |c| c.lm_head),
+        ("total", |c| c.total),
+    ];
+    for (name, get) in rows {
+        println!("{:<28}{:>14}{:>14}{:>14}", name, get(&counts[0]), get(&counts[1]), get(&counts[2]));
+    }
+    let heads = |f: Family| {
+        let c = cfg.with_family(f);
+        match f {
+            Family::Baseline => format!("{} heads x d {}", c.n_heads, c.head_dim()),
+            Family::DiffV1 => format!("{} diff heads (2 maps of d {}, value 2d)", c.n_heads / 2, c.head_dim()),
+            Family::DiffV2 => format!("{} query heads, {} kv heads, d {}", c.n_q_proj_heads(), c.n_kv_proj_heads(), c.head_dim()),
+        }
+    };
+    for f in Family::ALL {
+        println!("{:<10}{}", f.as_str(), heads(f));
+    }
+    if a.print_config {
+        println!("{}", serde_json::to_string_pretty(&cfg)?);
+    }
+    Ok(())
+}

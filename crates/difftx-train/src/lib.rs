@@ -1,1 +1,8 @@
+//! difftx-train: everything needed to train a difftx model and nothing else — reading and
+//! splitting training text (`data`), AdamW and the learning-rate schedule (`optim`), and the
+//! resumable training loop with its run folder and checkpoints (`trainer`). It builds on the public
+//! API of difftx-core and never parses command lines.
 
+pub mod data;
+pub mod optim;
+pub mod trainer;
