@@ -10,6 +10,7 @@ pub mod config;
 pub mod generate;
 pub mod model;
 pub mod ops;
+pub mod tokenizer;
 
 pub use config::{Family, HeadPairing, ModelConfig, RopeStyle};
 pub use model::{KvCache, Model, Probe};
