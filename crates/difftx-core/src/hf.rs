@@ -141,7 +141,9 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
     }
     // DiffLlama with an odd kv count: the loader duplicates every kv head (module docs).
     let n_kv_heads = if family == Family::DiffV1 && file_kv % 2 == 1 { 2 * file_kv } else { file_kv };
-    let eps = get_f64(v, "rms_norm_eps")?.unwrap_or(1e-6);
+    // transformers' defaults: DiffLlamaConfig 1e-5, LlamaConfig 1e-6.
+    let default_eps = if family == Family::DiffV1 { 1e-5 } else { 1e-6 };
+    let eps = get_f64(v, "rms_norm_eps")?.unwrap_or(default_eps);
     let cfg = ModelConfig {
         family,
         vocab_size: req_usize(v, "vocab_size")?,

@@ -182,6 +182,13 @@ fn rope_theta_sources() {
     v.as_object_mut().unwrap().remove("rope_theta");
     v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 12345.0});
     assert_eq!(hf::hf_config_from_json(&v).unwrap().rope_theta, 12345.0);
+    // transformers' eps defaults when rms_norm_eps is absent.
+    let mut v = base_config_json();
+    v.as_object_mut().unwrap().remove("rms_norm_eps");
+    assert_eq!(hf::hf_config_from_json(&v).unwrap().norm_eps, 1e-6);
+    v["model_type"] = "diffllama".into();
+    let c = hf::hf_config_from_json(&v).unwrap();
+    assert_eq!((c.family, c.norm_eps, c.subln_eps, c.head_pairing), (Family::DiffV1, 1e-5, 1e-5, HeadPairing::Halves));
     let mut v = base_config_json();
     v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
     let e = format!("{:#}", hf::hf_config_from_json(&v).unwrap_err());
