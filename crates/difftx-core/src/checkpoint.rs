@@ -100,11 +100,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
     if value.get("model_type").is_some() {
-        bail!(
-            "{} is a Hugging Face config (model_type {}); importing Hugging Face folders is not supported by this build",
-            path.display(),
-            value["model_type"]
-        );
+        // A Hugging Face folder (DiffLlama / Llama): mapped onto the engine's config.
+        return crate::hf::read_hf_config(dir);
     }
     let file: NativeConfigFile =
         serde_json::from_value(value).with_context(|| format!("{} is not a difftx model config", path.display()))?;
@@ -118,6 +115,15 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
 /// Loads config and weights (converted to `dtype`) from a model or run folder.
 pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let dir = resolve_model_dir(dir)?;
+    if crate::hf::is_hf_dir(&dir) {
+        let (cfg, raw) = crate::hf::load_hf_model(&dir, device)?;
+        let mut weights = HashMap::with_capacity(raw.len());
+        for (name, t) in raw {
+            let t = t.to_dtype(dtype).with_context(|| format!("tensor '{name}': cannot convert to {dtype:?}"))?;
+            weights.insert(name, t);
+        }
+        return Ok((cfg, weights));
+    }
     let cfg = read_config(&dir)?;
     let raw = read_safetensors(&dir.join(WEIGHTS_FILE), device)?;
     let mut weights = HashMap::with_capacity(raw.len());

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod generate;
+pub mod hf;
 pub mod model;
 pub mod ops;
 pub mod tokenizer;
