@@ -81,7 +81,7 @@ pub fn attention_scores(q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
     }
     let rep = hq / hk;
     let q = q.contiguous()?.reshape((b, hk, rep * t, dk))?;
-    let scores = q.matmul(&k.t()?)?;
+    let scores = q.matmul(&k.contiguous()?.t()?)?;
     (scores * scale)?.reshape((b, hq, t, s))
 }
 

@@ -199,7 +199,7 @@ fn variants() -> Vec<(&'static str, ModelConfig)> {
         let mut c = small_config(family);
         c.n_heads = 8;
         c.d_model = 64;
-        c.n_kv_heads = if family == Family::DiffV2 { 4 } else { 2 };
+        c.n_kv_heads = 4;
         c.head_pairing = HeadPairing::Halves;
         c.rope_style = RopeStyle::RotateHalf;
         c.subln_affine = false;
