@@ -232,3 +232,14 @@ fn end_to_end_jsonl_to_batches() {
     assert_eq!(y.len(), 96);
     assert!(!ds.val_batches(4, 32, 2).is_empty());
 }
+
+#[test]
+fn bundled_corpus_loads_into_a_dataset() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
+    let texts = load_texts(&path, "text").unwrap();
+    assert_eq!(texts.len(), 1);
+    assert!(texts[0].len() > 5_000_000, "{} bytes", texts[0].len());
+    let ds = TokenDataset::build(&texts, &Tokenizer::bytes(), 256, 0.05).unwrap();
+    assert_eq!(ds.train.len() + ds.val.len(), texts[0].len());
+    assert_eq!(ds.val_batches(8, 256, 4).len(), 4);
+}
