@@ -34,6 +34,8 @@ enum Command {
     Eval(EvalArgs),
     /// Dump logits for token ids: IN holds an int64 `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V].
     Logits(LogitsArgs),
+    /// Write a model as a Hugging Face folder: diff-v1 as DiffLlama, baseline as Llama.
+    Export(ExportArgs),
     /// Show a config's shapes and parameter counts for all three families side by side.
     Info(InfoArgs),
     /// Tokenizer tools.
@@ -227,6 +229,16 @@ struct LogitsArgs {
 }
 
 #[derive(Args)]
+struct ExportArgs {
+    /// difftx model folder, training run, or Hugging Face folder.
+    #[arg(long)]
+    model: PathBuf,
+    /// Output folder (config.json, model.safetensors, tokenizer.json when the model has one).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
 struct InfoArgs {
     #[command(flatten)]
     model: ModelSource,
@@ -250,6 +262,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(a) => cmd_eval(a),
         Command::Logits(a) => cmd_logits(a),
         Command::Info(a) => cmd_info(a),
+        Command::Export(a) => cmd_export(a),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
             let files = if files.is_empty() { vec![default_data()?] } else { files };
             difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
@@ -451,6 +464,25 @@ fn cmd_logits(a: LogitsArgs) -> Result<()> {
     let bytes = checkpoint::safetensors_bytes(&[("logits".to_string(), logits)])?;
     checkpoint::write_atomic(&a.out, &bytes)?;
     eprintln!("wrote logits {:?} to {}", [ids.dim(0)?, ids.dim(1)?, vocab as usize], a.out.display());
+    Ok(())
+}
+
+fn cmd_export(a: ExportArgs) -> Result<()> {
+    let dir = checkpoint::resolve_model_dir(&a.model)?;
+    let (cfg, weights) = checkpoint::load_model(&dir, DType::F32, &Device::Cpu)?;
+    difftx_core::hf::export_hf(&cfg, &weights, &a.out)?;
+    let tok = dir.join("tokenizer.json");
+    if tok.is_file() {
+        std::fs::copy(&tok, a.out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tok.display()))?;
+    } else {
+        eprintln!("note: the model uses the byte tokenizer (token id = byte value); no tokenizer.json was written");
+    }
+    println!(
+        "wrote {} ({} as {})",
+        a.out.display(),
+        cfg.family,
+        if cfg.family == Family::DiffV1 { "DiffLlamaForCausalLM" } else { "LlamaForCausalLM" }
+    );
     Ok(())
 }
 
