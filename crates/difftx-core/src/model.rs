@@ -173,9 +173,23 @@ impl Rope {
     }
 }
 
+/// How a forward pass runs: kernels and the quantisation probes of the experiments.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    pub kernels: Kernels,
+    /// Fake-quantise attention logits (per query row, dynamic absmax) to this many bits before
+    /// the softmax. Forces the materialised reference attention.
+    pub attn_logit_bits: Option<u32>,
+    /// Fake-quantise the input of every linear layer (per token, dynamic absmax): the "A" of WxAy.
+    pub act_bits: Option<u32>,
+}
+
 /// x: [N, in] times w: [out, in] -> [N, out] (PyTorch's Linear layout, no bias).
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
+fn linear(x: &Tensor, w: &Tensor, opts: &RunOptions) -> Result<Tensor> {
+    match opts.act_bits {
+        Some(bits) => ops::fake_quant_absmax(x, bits)?.matmul(&w.t()?),
+        None => x.matmul(&w.t()?),
+    }
 }
 
 /// Per-layer key/value cache for incremental decoding; k, v stored as [B, Hkv, S, d].
@@ -280,15 +294,16 @@ impl Attention {
         rope: &Rope,
         cache: Option<&mut candle_nn::kv_cache::KvCache>,
         offset: usize,
-        kernels: Kernels,
+        opts: &RunOptions,
         probe: Option<&mut Probe>,
         pairing: crate::config::HeadPairing,
         subln_eps: f64,
     ) -> Result<Tensor> {
         let d = self.head_dim;
-        let q = linear(x, &self.q_proj)?.reshape((b, t, self.n_q, d))?;
-        let k = linear(x, &self.k_proj)?.reshape((b, t, self.n_kv, d))?;
-        let v = linear(x, &self.v_proj)?.reshape((b, t, self.n_kv, d))?;
+        let kernels = opts.kernels;
+        let q = linear(x, &self.q_proj, opts)?.reshape((b, t, self.n_q, d))?;
+        let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
+        let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         // [B, heads, T, d], rotated at absolute positions.
         let q = rope.apply(&q, offset)?.transpose(1, 2)?.contiguous()?;
         let k = rope.apply(&k, offset)?.transpose(1, 2)?.contiguous()?;
@@ -298,16 +313,29 @@ impl Attention {
             None => (k, v),
         };
         let scale = 1.0 / (d as f64).sqrt();
+        // The single-map attention primitive, honouring the logit-quantisation probe.
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+            match opts.attn_logit_bits {
+                Some(bits) => ops::attention_quantized_logits(q, k, v, scale, offset, bits),
+                None => ops::attention(q, k, v, scale, offset, kernels),
+            }
+        };
+        let probs = |q: &Tensor, k: &Tensor| -> Result<Tensor> {
+            match opts.attn_logit_bits {
+                Some(bits) => ops::quantized_probs(q, k, scale, offset, bits),
+                None => ops::attention_probs(q, k, scale, offset, kernels),
+            }
+        };
 
         let out = match &self.kind {
             AttnKind::Baseline => {
                 if let Some(p) = probe.filter(|p| p.capture_attention) {
                     p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
-                    p.attn_maps.push(ops::attention_probs(&q, &k, scale, offset, kernels)?);
+                    p.attn_maps.push(probs(&q, &k)?);
                     p.lambdas.push(None);
                 }
                 // [B, H, T, d] -> [B·T, H·d]
-                ops::attention(&q, &k, &v, scale, offset, kernels)?
+                attend(&q, &k, &v)?
             }
             AttnKind::DiffV1 { lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln, lambda_init } => {
                 // Two query maps and two key maps per head, one value of width 2d (SPEC §1.2).
@@ -322,13 +350,13 @@ impl Attention {
                     let s1 = ops::attention_scores(&q1, &k1, scale)?;
                     let s2 = ops::attention_scores(&q2, &k2, scale)?;
                     p.attn_logits.push(Tensor::cat(&[s1, s2], 1)?);
-                    let a1 = ops::attention_probs(&q1, &k1, scale, offset, kernels)?;
-                    let a2 = ops::attention_probs(&q2, &k2, scale, offset, kernels)?;
+                    let a1 = probs(&q1, &k1)?;
+                    let a2 = probs(&q2, &k2)?;
                     p.attn_maps.push(a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?);
                     p.lambdas.push(Some(lambda.clone()));
                 }
-                let o1 = ops::attention(&q1, &k1, &v, scale, offset, kernels)?;
-                let o2 = ops::attention(&q2, &k2, &v, scale, offset, kernels)?;
+                let o1 = attend(&q1, &k1, &v)?;
+                let o2 = attend(&q2, &k2, &v)?;
                 let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
                 let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
                 (o * (1.0 - lambda_init))?
@@ -336,18 +364,18 @@ impl Attention {
             AttnKind::DiffV2 { lambda_proj } => {
                 // One attention over 2H query heads; pair j = heads (2j, 2j+1) (SPEC §1.3).
                 let h = self.n_q / 2;
-                let o = ops::attention(&q, &k, &v, scale, offset, kernels)?; // [B, 2H, T, d]
+                let o = attend(&q, &k, &v)?; // [B, 2H, T, d]
                 let tq = o.dim(2)?;
                 let o = o.reshape((b, h, 2, tq, d))?;
                 let (oa, ob) = (o.i((.., .., 0))?, o.i((.., .., 1))?); // [B, H, T, d]
                 // lambda_{t,j} = sigmoid(x_t · W_lambda[:, j]) -> [B, H, T, 1]
-                let lambda = candle_nn::ops::sigmoid(&linear(x, lambda_proj)?)?
+                let lambda = candle_nn::ops::sigmoid(&linear(x, lambda_proj, opts)?)?
                     .reshape((b, t, h))?
                     .transpose(1, 2)?
                     .unsqueeze(3)?;
                 if let Some(p) = probe.filter(|p| p.capture_attention) {
                     p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
-                    let a = ops::attention_probs(&q, &k, scale, offset, kernels)?;
+                    let a = probs(&q, &k)?;
                     let s = a.dim(3)?;
                     let a = a.reshape((b, h, 2, tq, s))?;
                     p.attn_maps.push(a.i((.., .., 0))?.broadcast_sub(&a.i((.., .., 1))?.broadcast_mul(&lambda)?)?);
@@ -358,7 +386,7 @@ impl Attention {
         };
         let (_, heads, _, width) = out.dims4()?;
         let out = out.transpose(1, 2)?.reshape((b * t, heads * width))?;
-        linear(&out, &self.o_proj)
+        linear(&out, &self.o_proj, opts)
     }
 }
 
@@ -382,9 +410,9 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&linear(x, &self.gate)?)? * linear(x, &self.up)?)?;
-        linear(&h, &self.down)
+    fn forward(&self, x: &Tensor, opts: &RunOptions) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&linear(x, &self.gate, opts)?)? * linear(x, &self.up, opts)?)?;
+        linear(&h, &self.down, opts)
     }
 }
 
@@ -403,8 +431,8 @@ pub struct Model {
     norm: Tensor,
     lm_head: Tensor,
     rope: Rope,
-    /// Which implementation of the hot ops to run.
-    pub kernels: Kernels,
+    /// Kernels and quantisation probes used by every forward pass.
+    pub opts: RunOptions,
 }
 
 impl Model {
@@ -437,7 +465,7 @@ impl Model {
             blocks,
             lm_head,
             rope: Rope::new(cfg, dtype, &device)?,
-            kernels: Kernels::default(),
+            opts: RunOptions::default(),
         })
     }
 
@@ -463,7 +491,7 @@ impl Model {
     pub fn forward_probe(&self, ids: &Tensor, cache: Option<&mut KvCache>, probe: Option<&mut Probe>) -> Result<Tensor> {
         let h = self.hidden_states(ids, cache, probe)?;
         let (b, t, dm) = h.dims3()?;
-        linear(&h.reshape((b * t, dm))?, &self.lm_head)?.reshape((b, t, self.cfg.vocab_size))
+        linear(&h.reshape((b * t, dm))?, &self.lm_head, &self.opts)?.reshape((b, t, self.cfg.vocab_size))
     }
 
     /// Final-normed hidden states [B, T, D].
@@ -477,7 +505,8 @@ impl Model {
                 self.cfg.max_seq_len
             );
         }
-        let kernels = self.kernels;
+        let opts = self.opts;
+        let kernels = opts.kernels;
         let mut x = self.embed.index_select(&ids.flatten_all()?, 0)?; // [B·T, D]
         let capture_hidden = probe.as_ref().is_some_and(|p| p.capture_hidden);
         if capture_hidden {
@@ -494,14 +523,14 @@ impl Model {
                 &self.rope,
                 layer_cache,
                 offset,
-                kernels,
+                &opts,
                 probe.as_deref_mut(),
                 self.cfg.head_pairing,
                 self.cfg.subln_eps,
             )?;
             let y = (x + a)?;
             let h = ops::rms_norm(&y, Some(&block.post_norm), self.cfg.norm_eps, kernels)?;
-            x = (&y + block.mlp.forward(&h)?)?;
+            x = (&y + block.mlp.forward(&h, &opts)?)?;
             if capture_hidden {
                 if let Some(p) = probe.as_deref_mut() {
                     p.hidden.push(x.reshape((b, t, self.cfg.d_model))?);

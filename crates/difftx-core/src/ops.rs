@@ -97,3 +97,60 @@ pub fn causal_mask(t: usize, s: usize, q_offset: usize, dtype: DType, device: &D
         .collect();
     Ok(Some(Tensor::from_vec(mask, (t, s), device)?.to_dtype(dtype)?))
 }
+
+/// Fake quantisation by dynamic absmax over the last dimension: each row is scaled so its largest
+/// |value| maps to the largest `bits`-bit signed integer, rounded, and scaled back. Rows of zeros
+/// stay zero. `bits` in 2..=16.
+pub fn fake_quant_absmax(x: &Tensor, bits: u32) -> Result<Tensor> {
+    if !(2..=16).contains(&bits) {
+        candle_core::bail!("quantisation needs 2 to 16 bits, got {bits}");
+    }
+    let qmax = ((1u32 << (bits - 1)) - 1) as f64;
+    let absmax = x.abs()?.max_keepdim(D::Minus1)?;
+    // Guard all-zero rows: their scale is irrelevant, avoid 0/0.
+    let scale = (absmax.maximum(1e-30)? / qmax)?;
+    x.broadcast_div(&scale)?.round()?.broadcast_mul(&scale)
+}
+
+/// Causal attention with the logits fake-quantised to `bits` before the mask and softmax (the
+/// paper's attention-logit quantisation experiment). Always the materialised reference path.
+pub fn attention_quantized_logits(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, bits: u32) -> Result<Tensor> {
+    let probs = quantized_probs(q, k, scale, q_offset, bits)?;
+    let (b, hq, t, s) = probs.dims4()?;
+    let (_, hk, _, dv) = v.dims4()?;
+    probs.reshape((b, hk, (hq / hk) * t, s))?.matmul(&v.contiguous()?)?.reshape((b, hq, t, dv))
+}
+
+/// softmax(fake_quant(q kᵀ·scale) + mask).
+pub fn quantized_probs(q: &Tensor, k: &Tensor, scale: f64, q_offset: usize, bits: u32) -> Result<Tensor> {
+    let scores = fake_quant_absmax(&attention_scores(q, k, scale)?, bits)?;
+    let (_, _, t, s) = scores.dims4()?;
+    let scores = match causal_mask(t, s, q_offset, scores.dtype(), scores.device())? {
+        Some(mask) => scores.broadcast_add(&mask)?,
+        None => scores,
+    };
+    softmax_last_dim(&scores, Kernels::Reference)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fake_quant_round_trip() {
+        let x = Tensor::new(&[[1.0f64, -0.5, 0.26, 0.0], [0.0, 0.0, 0.0, 0.0], [-8.0, 3.0, 2.0, 1.0]], &Device::Cpu).unwrap();
+        // 4 bits: qmax 7; row 0 scale 1/7: 0.26 -> round(1.82)=2 -> 2/7.
+        let q = fake_quant_absmax(&x, 4).unwrap().to_vec2::<f64>().unwrap();
+        let want0 = [1.0, -4.0 / 7.0, 2.0 / 7.0, 0.0];
+        for (a, b) in q[0].iter().zip(want0) {
+            assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+        }
+        assert_eq!(q[1], vec![0.0; 4]);
+        assert!((q[2][0] + 8.0).abs() < 1e-12 && (q[2][1] - 24.0 / 7.0).abs() < 1e-12);
+        // 16 bits is nearly lossless; error bounded by half a step.
+        let q16 = fake_quant_absmax(&x, 16).unwrap();
+        let err = (q16 - &x).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+        assert!(err <= 8.0 / 32767.0 / 2.0 + 1e-15, "{err}");
+        assert!(fake_quant_absmax(&x, 1).is_err());
+    }
+}

@@ -383,3 +383,23 @@ fn gradients_of_every_parameter_match_finite_differences() {
         }
     }
 }
+
+#[test]
+fn quantisation_probes_change_logits_by_the_expected_amount() {
+    for family in Family::ALL {
+        let cfg = small_config(family);
+        let map: HashMap<_, _> = init_weights(&cfg, 3, DType::F32, &Device::Cpu).unwrap().into_iter().collect();
+        let mut model = Model::from_weights(&cfg, &map).unwrap();
+        let ids = vec![ids_for(&cfg, 9, 4)];
+        let exact = model_logits(&model, &ids).remove(0);
+        let mut errs = Vec::new();
+        for (attn, act) in [(Some(16), None), (Some(4), None), (None, Some(16)), (None, Some(4))] {
+            model.opts.attn_logit_bits = attn;
+            model.opts.act_bits = act;
+            errs.push(max_abs_diff(&model_logits(&model, &ids).remove(0), &exact));
+        }
+        // 16 bits is close to exact; 4 bits is visibly worse, for logits and for activations.
+        assert!(errs[0] < 1e-3 && errs[2] < 1e-2, "{family}: {errs:?}");
+        assert!(errs[1] > 10.0 * errs[0] && errs[3] > 10.0 * errs[2], "{family}: {errs:?}");
+    }
+}

@@ -254,7 +254,7 @@ fn run(
         weights.iter().map(|(n, t)| Ok((n.clone(), Var::from_tensor(t)?))).collect::<Result<_>>()?;
     let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
     let mut model = Model::from_weights(cfg, &map)?;
-    model.kernels = ctl.kernels;
+    model.opts.kernels = ctl.kernels;
     let mut opt = AdamW::new(&vars, opts.adamw)?;
     if let Some(s) = &opt_state {
         opt.load_state(s)?;
