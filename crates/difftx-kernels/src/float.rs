@@ -12,6 +12,7 @@ pub(crate) trait Float: WithDType + Copy + Send + Sync + PartialOrd + 'static {
     const NEG_INF: Self;
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
+    fn ln(self) -> Self;
     fn maxf(self, o: Self) -> Self;
     /// `xs[i] = exp(xs[i])`; `-inf` maps to exactly 0.
     fn exp_inplace(xs: &mut [Self]);
@@ -28,6 +29,10 @@ impl Float for f32 {
     #[inline(always)]
     fn sqrt(self) -> Self {
         f32::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> Self {
+        f32::ln(self)
     }
     #[inline(always)]
     fn maxf(self, o: Self) -> Self {
@@ -52,6 +57,10 @@ impl Float for f64 {
     #[inline(always)]
     fn sqrt(self) -> Self {
         f64::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> Self {
+        f64::ln(self)
     }
     #[inline(always)]
     fn maxf(self, o: Self) -> Self {

@@ -9,6 +9,8 @@
 //! What this crate owns:
 //! * [`softmax_last_dim`]: softmax over the last dimension.
 //! * [`rms_norm`]: RMSNorm over the last dimension, optional gain.
+//! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
+//!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //!
 //! What it must not touch: no model, no configuration, no I/O, no checkpoints, no allocator
 //! choices. Everything is a pure function of its input tensors. Each kernel is written as plain
@@ -17,9 +19,11 @@
 //! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
 mod cpu;
+mod flash;
 mod float;
 mod rms_norm;
 mod softmax;
 
+pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
 pub use softmax::softmax_last_dim;
