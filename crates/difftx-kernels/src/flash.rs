@@ -21,16 +21,16 @@
 //! Memory beyond inputs/outputs is O(B·Hq·T) for `lse`/`delta` plus per-thread tiles.
 
 use crate::cpu::storage_slice;
-use crate::float::Float;
+use crate::float::{max_slice, sum_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
 /// Query rows per forward / dq task.
-const BR: usize = 64;
+const BR: usize = 128;
 /// Keys per key block (tile of K and V kept hot in L1/L2 and transposed once).
-const BC: usize = 64;
+const BC: usize = 128;
 /// Below this many rows per task the scores are plain dot products (no transposed tile).
 const DOT_ROWS: usize = 4;
 
@@ -121,57 +121,89 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     s
 }
 
-/// `dst[c * BC + j] = src[j * d + c]` for `j < n`, `c < d`: a key/value block transposed.
+/// `C = (acc ? C : 0) + beta * A B` on small tiles through the `gemm` micro-kernels
+/// (single-threaded: the parallelism is over tasks). `C` is `m x n` row-major with row stride
+/// `ldc`; `A` is `m x k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k x n` with
+/// `(p, j)` at `b[p * b_rs + j * b_cs]`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn transpose_block<T: Float>(src: &[T], dst: &mut [T], n: usize, d: usize) {
-    for j in 0..n {
-        let row = &src[j * d..(j + 1) * d];
-        for c in 0..d {
-            dst[c * BC + j] = row[c];
-        }
+fn mm<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [T],
+    ldc: usize,
+    acc: bool,
+    a: &[T],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[T],
+    b_rs: usize,
+    b_cs: usize,
+    beta: T,
+) {
+    if m == 0 || n == 0 {
+        return;
     }
-}
-
-/// `out[j] = sum_c a[c] * mat[c * BC + j]` for `j < n` (scores of one row against a transposed
-/// block), or plain dot products against the row-major block when `trans` is `None`.
-#[inline(always)]
-fn row_scores<T: Float>(out: &mut [T], a: &[T], trans: Option<&[T]>, rows: &[T], d: usize, n: usize) {
-    match trans {
-        Some(mt) => {
-            out[..n].fill(T::ZERO);
-            for (c, &ac) in a.iter().enumerate() {
-                axpy(&mut out[..n], ac, &mt[c * BC..c * BC + n]);
+    let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
+    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm: C out of bounds");
+    if k == 0 {
+        if !acc {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].fill(T::ZERO);
             }
         }
-        None => {
-            for j in 0..n {
-                out[j] = dot(a, &rows[j * d..(j + 1) * d]);
-            }
-        }
+        return;
+    }
+    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm: A out of bounds");
+    assert!(last(b_rs, b_cs, k, n) < b.len(), "mm: B out of bounds");
+    // SAFETY: every element the kernel reads or writes is inside the slices (asserted above),
+    // and `c` does not alias `a` or `b` (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            acc,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::ONE,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
     }
 }
 
 /// Per-thread scratch tiles.
 pub(crate) struct Scratch<T> {
-    kt: Vec<T>,
-    vt: Vec<T>,
     s: Vec<T>,
-    p2: Vec<T>,
     qs: Vec<T>,
     m: Vec<T>,
     l: Vec<T>,
+    /// `[BR, BC]` score / probability tile and `[BR, BC]` dP / dS tile.
+    st: Vec<T>,
+    dpt: Vec<T>,
 }
 
 impl<T: Float> Scratch<T> {
     fn new(d: &Dims) -> Self {
         Scratch {
-            kt: vec![T::ZERO; d.dk * BC],
-            vt: vec![T::ZERO; d.dv * BC],
             s: vec![T::ZERO; BC],
-            p2: vec![T::ZERO; BC],
             qs: vec![T::ZERO; d.dk],
             m: vec![T::ZERO; BR],
             l: vec![T::ZERO; BR],
+            st: vec![T::ZERO; BR * BC],
+            dpt: vec![T::ZERO; BR * BC],
         }
     }
 }
@@ -182,6 +214,7 @@ impl<T: Float> Scratch<T> {
 /// One forward task: rows `t0 .. t0 + lse.len()` of one (batch, query head).
 /// `qh` is that head's `[T, dk]`, `kh`/`vh` its kv head's `[S, dk]`/`[S, dv]`;
 /// writes `out` (`[rows, dv]`) and `lse` (`[rows]`).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fwd_task<T: Float>(
     d: &Dims,
@@ -195,57 +228,72 @@ fn fwd_task<T: Float>(
     lse: &mut [T],
     sc: &mut Scratch<T>,
 ) {
+    if lse.len() >= DOT_ROWS {
+        fwd_task_tiled(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+    } else {
+        fwd_task_rows(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+    }
+}
+
+/// Online-softmax update of one score row `s` (`n` valid entries of `nb`, the rest masked):
+/// turns `s[..nb]` into unnormalised probabilities against the new running max, updates `m`
+/// and `l`, and returns the factor the row's output accumulator must be rescaled by.
+#[inline(always)]
+fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> T {
+    let mx = max_slice(&s[..n], *m);
+    for x in s[..n].iter_mut() {
+        *x -= mx;
+    }
+    T::exp_inplace(&mut s[..n]);
+    s[n..].fill(T::ZERO);
+    let psum = sum_slice(&s[..n]);
+    let alpha = (*m - mx).exp(); // 0 on the first block (m = -inf), 1 when the max is unchanged
+    *l = *l * alpha + psum;
+    *m = mx;
+    alpha
+}
+
+/// Tiled forward (rows >= DOT_ROWS): per key block, `S = scale Q K^T` and `O += P V` are gemm
+/// tile products; the online softmax runs row by row on the `[rows, BC]` tile in between.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn fwd_task_tiled<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qh: &[T],
+    kh: &[T],
+    vh: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+    sc: &mut Scratch<T>,
+) {
     let (dk, dv) = (d.dk, d.dv);
     let rows = lse.len();
-    let use_t = rows >= DOT_ROWS;
     let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
     m.fill(T::NEG_INF);
     l.fill(T::ZERO);
     out.fill(T::ZERO);
+    let qb = &qh[t0 * dk..(t0 + rows) * dk];
     let kend = (t0 + rows + q_offset).min(d.s);
     let mut s0 = 0;
     while s0 < kend {
         let s1 = (s0 + BC).min(kend);
-        let kb = &kh[s0 * dk..s1 * dk];
-        if use_t {
-            transpose_block(kb, &mut sc.kt, s1 - s0, dk);
-        }
+        let nb = s1 - s0;
+        // S[i, j] = scale * q_i . k_{s0 + j}
+        mm(rows, nb, dk, &mut sc.st, BC, false, qb, dk, 1, &kh[s0 * dk..s1 * dk], 1, dk, scale);
         for i in 0..rows {
-            let lim = (t0 + i + q_offset + 1).min(s1);
-            if lim <= s0 {
-                continue;
-            }
-            let n = lim - s0;
-            for (x, &y) in sc.qs.iter_mut().zip(&qh[(t0 + i) * dk..(t0 + i + 1) * dk]) {
-                *x = y * scale;
-            }
-            let s = &mut sc.s[..n];
-            row_scores(s, &sc.qs, if use_t { Some(&sc.kt) } else { None }, kb, dk, n);
-            let mut mx = m[i];
-            for &x in s.iter() {
-                mx = mx.maxf(x);
-            }
-            let alpha = (m[i] - mx).exp(); // 0 on the first block (m = -inf)
-            for x in s.iter_mut() {
-                *x -= mx;
-            }
-            T::exp_inplace(s);
-            let mut psum = T::ZERO;
-            for &x in s.iter() {
-                psum += x;
-            }
-            l[i] = l[i] * alpha + psum;
-            m[i] = mx;
-            let o = &mut out[i * dv..(i + 1) * dv];
+            let n = (t0 + i + q_offset + 1).min(s1).saturating_sub(s0);
+            let alpha = online_softmax_row(&mut sc.st[i * BC..i * BC + nb], n, &mut m[i], &mut l[i]);
             if alpha != T::ONE {
-                for x in o.iter_mut() {
+                for x in out[i * dv..(i + 1) * dv].iter_mut() {
                     *x *= alpha;
                 }
             }
-            for (j, &p) in s.iter().enumerate() {
-                axpy(o, p, &vh[(s0 + j) * dv..(s0 + j + 1) * dv]);
-            }
         }
+        // O += P V
+        mm(rows, dv, nb, out, dv, true, &sc.st, BC, 1, &vh[s0 * dv..s1 * dv], dv, 1, T::ONE);
         s0 = s1;
     }
     for i in 0..rows {
@@ -254,6 +302,56 @@ fn fwd_task<T: Float>(
             *x *= inv;
         }
         lse[i] = m[i] + l[i].ln();
+    }
+}
+
+/// Row-at-a-time forward for a handful of rows (decode, T = 1): dot products and axpys, no tiles.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn fwd_task_rows<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qh: &[T],
+    kh: &[T],
+    vh: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    let (dk, dv) = (d.dk, d.dv);
+    for (i, (o, lse)) in out.chunks_exact_mut(dv).zip(lse.iter_mut()).enumerate() {
+        let t = t0 + i;
+        let kend = (t + q_offset + 1).min(d.s);
+        for (x, &y) in sc.qs.iter_mut().zip(&qh[t * dk..(t + 1) * dk]) {
+            *x = y * scale;
+        }
+        o.fill(T::ZERO);
+        let (mut m, mut l) = (T::NEG_INF, T::ZERO);
+        let mut s0 = 0;
+        while s0 < kend {
+            let s1 = (s0 + BC).min(kend);
+            let n = s1 - s0;
+            for (j, x) in sc.s[..n].iter_mut().enumerate() {
+                *x = dot(&sc.qs, &kh[(s0 + j) * dk..(s0 + j + 1) * dk]);
+            }
+            let alpha = online_softmax_row(&mut sc.s[..n], n, &mut m, &mut l);
+            if alpha != T::ONE {
+                for x in o.iter_mut() {
+                    *x *= alpha;
+                }
+            }
+            for (j, &p) in sc.s[..n].iter().enumerate() {
+                axpy(o, p, &vh[(s0 + j) * dv..(s0 + j + 1) * dv]);
+            }
+            s0 = s1;
+        }
+        let inv = T::ONE / l;
+        for x in o.iter_mut() {
+            *x *= inv;
+        }
+        *lse = m + l.ln();
     }
 }
 
@@ -301,93 +399,81 @@ pub(crate) struct BwdIn<'a, T> {
     delta: &'a [T],
 }
 
-/// Pass 1 task: key rows `s0 .. s0 + dkb.len() / dk` of kv head `(b, g)`; accumulates `dkb`
-/// `[nb, dk]` and `dvb` `[nb, dv]` over every query head of the group and every row that sees it.
+/// Recomputes the probability tile of query rows `t0 .. t0 + rows` of head `bh` against keys
+/// `s0 .. s0 + nb`: `st[i, j] = exp(scale q_i . k_j - lse_i)` for causally visible `j`, else 0;
+/// then `dpt[i, j] = scale * p_ij * (dout_i . v_j - delta_i)` (= dS, the score gradient).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn bwd_kv_task<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize, s0: usize, nb: usize, st: &mut [T], dpt: &mut [T]) {
     let d = &x.d;
     let (dk, dv) = (d.dk, d.dv);
-    let nb = dkb.len() / dk.max(1);
-    let nb = if dk == 0 { dvb.len() / dv } else { nb };
-    let s1 = s0 + nb;
-    dkb.fill(T::ZERO);
-    dvb.fill(T::ZERO);
-    let kv = b * d.hk + g;
-    let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s1) * dk];
-    let vb = &x.v[(kv * d.s + s0) * dv..(kv * d.s + s1) * dv];
-    transpose_block(kb, &mut sc.kt, nb, dk);
-    transpose_block(vb, &mut sc.vt, nb, dv);
-    let t_start = s0.saturating_sub(x.q_offset);
-    for h in g * d.rep()..(g + 1) * d.rep() {
-        let bh = b * d.hq + h;
-        for t in t_start..d.t {
-            let n = (t + x.q_offset + 1).min(s1) - s0;
-            let row = bh * d.t + t;
-            let qr = &x.q[row * dk..(row + 1) * dk];
-            let gr = &x.dout[row * dv..(row + 1) * dv];
-            let (lse, delta) = (x.lse[row], x.delta[row]);
-            let p = &mut sc.s[..n];
-            row_scores(p, qr, Some(&sc.kt), kb, dk, n);
-            for e in p.iter_mut() {
-                *e = *e * x.scale - lse;
-            }
-            T::exp_inplace(p);
-            let dp = &mut sc.p2[..n];
-            row_scores(dp, gr, Some(&sc.vt), vb, dv, n);
-            for j in 0..n {
-                let pj = p[j];
-                axpy(&mut dvb[j * dv..(j + 1) * dv], pj, gr);
-                let ds = pj * (dp[j] - delta) * x.scale;
-                axpy(&mut dkb[j * dk..(j + 1) * dk], ds, qr);
-            }
+    let r0 = bh * d.t + t0;
+    let qb = &x.q[r0 * dk..(r0 + rows) * dk];
+    let gb = &x.dout[r0 * dv..(r0 + rows) * dv];
+    let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
+    let vb = &x.v[(kv * d.s + s0) * dv..(kv * d.s + s0 + nb) * dv];
+    mm(rows, nb, dk, st, BC, false, qb, dk, 1, kb, 1, dk, x.scale);
+    mm(rows, nb, dv, dpt, BC, false, gb, dv, 1, vb, 1, dv, T::ONE);
+    for i in 0..rows {
+        let n = (t0 + i + x.q_offset + 1).min(s0 + nb).saturating_sub(s0);
+        let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
+        let p = &mut st[i * BC..i * BC + nb];
+        for e in p[..n].iter_mut() {
+            *e -= lse;
+        }
+        T::exp_inplace(&mut p[..n]);
+        p[n..].fill(T::ZERO);
+        let ds = &mut dpt[i * BC..i * BC + nb];
+        for (g, &pj) in ds.iter_mut().zip(p.iter()) {
+            *g = pj * (*g - delta) * x.scale;
         }
     }
 }
 
-/// Pass 2 task: `dq` rows `t0 .. t0 + rows` of `(b, h)`; `dqb` is `[rows, dk]`.
+/// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
+/// `dvb` `[nb, dv]` over every query head of the group and every query row that sees the block:
+/// `dV += P^T dO`, `dK += dS^T Q`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn bwd_kv_task<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+    let d = &x.d;
+    let (dk, dv) = (d.dk, d.dv);
+    dkb.fill(T::ZERO);
+    dvb.fill(T::ZERO);
+    let kv = b * d.hk + g;
+    let t_start = s0.saturating_sub(x.q_offset);
+    for h in g * d.rep()..(g + 1) * d.rep() {
+        let bh = b * d.hq + h;
+        let mut t0 = t_start;
+        while t0 < d.t {
+            let rows = (d.t - t0).min(BR);
+            bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+            let r0 = bh * d.t + t0;
+            // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
+            mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
+            // dK[j, :] += sum_i dS[i, j] Q[i, :]
+            mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+            t0 += rows;
+        }
+    }
+}
+
+/// Pass 2 task: `dq` rows `t0 .. t0 + rows` of head `bh`; `dqb` is `[rows, dk]`: `dQ += dS K`.
 #[inline(always)]
 fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &mut Scratch<T>) {
     let d = &x.d;
-    let (dk, dv) = (d.dk, d.dv);
+    let dk = d.dk;
     let rows = dqb.len() / dk;
-    let use_t = rows >= DOT_ROWS;
     dqb.fill(T::ZERO);
     let kv = (bh / d.hq) * d.hk + (bh % d.hq) / d.rep();
     let kend = (t0 + rows + x.q_offset).min(d.s);
     let mut s0 = 0;
     while s0 < kend {
-        let s1 = (s0 + BC).min(kend);
-        let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s1) * dk];
-        let vb = &x.v[(kv * d.s + s0) * dv..(kv * d.s + s1) * dv];
-        if use_t {
-            transpose_block(kb, &mut sc.kt, s1 - s0, dk);
-            transpose_block(vb, &mut sc.vt, s1 - s0, dv);
-        }
-        for i in 0..rows {
-            let lim = (t0 + i + x.q_offset + 1).min(s1);
-            if lim <= s0 {
-                continue;
-            }
-            let n = lim - s0;
-            let row = bh * d.t + t0 + i;
-            let qr = &x.q[row * dk..(row + 1) * dk];
-            let gr = &x.dout[row * dv..(row + 1) * dv];
-            let (lse, delta) = (x.lse[row], x.delta[row]);
-            let p = &mut sc.s[..n];
-            row_scores(p, qr, if use_t { Some(&sc.kt) } else { None }, kb, dk, n);
-            for e in p.iter_mut() {
-                *e = *e * x.scale - lse;
-            }
-            T::exp_inplace(p);
-            let dp = &mut sc.p2[..n];
-            row_scores(dp, gr, if use_t { Some(&sc.vt) } else { None }, vb, dv, n);
-            let dq = &mut dqb[i * dk..(i + 1) * dk];
-            for j in 0..n {
-                let ds = p[j] * (dp[j] - delta) * x.scale;
-                axpy(dq, ds, &kb[j * dk..(j + 1) * dk]);
-            }
-        }
-        s0 = s1;
+        let nb = (kend - s0).min(BC);
+        bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+        let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
+        mm(rows, dk, nb, dqb, dk, true, &sc.dpt, BC, 1, kb, dk, 1, T::ONE);
+        s0 += nb;
     }
 }
 
@@ -443,10 +529,11 @@ pub(crate) fn flash_bwd<T: Float>(
         let mut dk_blocks: Vec<&mut [T]> = if d.dk > 0 { dkc.chunks_mut(BC * d.dk).collect() } else { Vec::new() };
         for (blk, dvb) in dvc.chunks_mut(BC * d.dv).enumerate() {
             let dkb: &mut [T] = if d.dk > 0 { std::mem::take(&mut dk_blocks[blk]) } else { &mut [] };
-            tasks.push((bg / d.hk, bg % d.hk, blk * BC, dkb, dvb));
+            let nb = dvb.len() / d.dv;
+            tasks.push((bg / d.hk, bg % d.hk, blk * BC, nb, dkb, dvb));
         }
     }
-    tasks.into_par_iter().for_each_init(|| Scratch::new(d), |sc, (b, g, s0, dkb, dvb)| kv_kernel(&x, b, g, s0, dkb, dvb, sc));
+    tasks.into_par_iter().for_each_init(|| Scratch::new(d), |sc, (b, g, s0, nb, dkb, dvb)| kv_kernel(&x, b, g, s0, nb, dkb, dvb, sc));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -457,7 +544,7 @@ mod simd {
 
     pub(super) type FwdFn<T> =
         fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
-    pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
 
     macro_rules! variants {
@@ -472,8 +559,8 @@ mod simd {
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $kv<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
-                bwd_kv_task(x, b, g, s0, dkb, dvb, sc)
+            unsafe fn $kv<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+                bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
@@ -503,11 +590,11 @@ mod simd {
         if has_avx2() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return (
-                |x, b, g, s0, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, dkb, dvb, sc) },
+                |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, nb, dkb, dvb, sc) },
                 |x, bh, t0, dqb, sc| unsafe { q_avx2(x, bh, t0, dqb, sc) },
             );
         }
-        (|x, b, g, s0, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, dkb, dvb, sc), |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc))
+        (|x, b, g, s0, nb, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc), |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc))
     }
 }
 

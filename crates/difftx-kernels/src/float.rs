@@ -75,15 +75,18 @@ impl Float for f64 {
 }
 
 /// Branch-free exp for f32. Inputs below -87 (including -inf) return 0, inputs above 88 saturate
-/// at exp(88); NaN stays NaN. Written without calls or branches so loops over it vectorise.
+/// at exp(88); NaN stays NaN. Written with selects and integer bit tricks only (no calls, no
+/// saturating float->int casts) so loops over it vectorise.
 #[inline(always)]
 pub(crate) fn fast_exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to nearest
-    let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + MAGIC) - MAGIC;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer in the low bits
+    let xc = x.max(-87.0).min(88.0); // maxnum/minnum: NaN becomes -87 here, restored below
+    let t = xc * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32); // == n as i32
     let r = (xc - n * LN2_HI) - n * LN2_LO; // |r| <= ~0.347
     // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35).
     let p = 1.0
@@ -92,9 +95,51 @@ pub(crate) fn fast_exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // wrapping ops: overflow checks (dev/test profiles) would stop the loop from vectorising.
+    let scale = f32::from_bits((ni.wrapping_add(127) as u32).wrapping_shl(23));
     let v = p * scale;
-    if x < -87.0 { 0.0 } else if x != x { x } else { v }
+    let v = if x < -87.0 { 0.0 } else { v };
+    if x.is_nan() { x } else { v }
+}
+
+/// Maximum of a slice (`-inf` when empty), over 8 lanes so it vectorises.
+#[inline(always)]
+pub(crate) fn max_slice<T: Float>(x: &[T], init: T) -> T {
+    let mut acc = [init; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for k in 0..8 {
+            acc[k] = acc[k].maxf(c[k]);
+        }
+    }
+    let mut m = init;
+    for &v in it.remainder() {
+        m = m.maxf(v);
+    }
+    for a in acc {
+        m = m.maxf(a);
+    }
+    m
+}
+
+/// Sum of a slice over 8 lanes.
+#[inline(always)]
+pub(crate) fn sum_slice<T: Float>(x: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for k in 0..8 {
+            acc[k] += c[k];
+        }
+    }
+    let mut s = T::ZERO;
+    for &v in it.remainder() {
+        s += v;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
 }
 
 #[cfg(test)]

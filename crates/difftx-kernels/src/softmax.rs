@@ -5,7 +5,7 @@
 //! Backward: dx = y * (dy - sum(dy * y))
 
 use crate::cpu::{min_rows, rows_cols, storage_slice, with_slice};
-use crate::float::Float;
+use crate::float::{max_slice, sum_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -34,18 +34,12 @@ pub(crate) fn softmax_fwd<T: Float>(x: &[T], y: &mut [T], n: usize) {
         .zip(x.par_chunks(n))
         .with_min_len(min_rows(n, 8192))
         .for_each(|(yr, xr)| {
-            let mut m = T::NEG_INF;
-            for &v in xr {
-                m = m.maxf(v);
-            }
+            let m = max_slice(xr, T::NEG_INF);
             for (o, &v) in yr.iter_mut().zip(xr) {
                 *o = v - m;
             }
             T::exp_inplace(yr);
-            let mut s = T::ZERO;
-            for &v in yr.iter() {
-                s += v;
-            }
+            let s = sum_slice(yr);
             let inv = T::ONE / s;
             for o in yr.iter_mut() {
                 *o *= inv;
