@@ -48,7 +48,9 @@ const CASES: &[Case] = &[
     c(1, 2, 2, 3, 9, 5, 7, 6, 1.0),         // few rows (dot-product path), odd head dims
     c(1, 2, 1, 5, 5, 3, 5, 0, 1.0),         // tiny
     c(1, 2, 2, 200, 200, 32, 64, 0, 2.5),   // large scores: online-softmax rescaling matters
-    c(1, 3, 3, 65, 65, 24, 12, 0, 1.0),     // dv < dk, one row past a tile boundary
+    c(1, 3, 3, 65, 65, 24, 12, 0, 1.0),     // dv < dk
+    c(1, 4, 2, 300, 300, 8, 16, 0, 1.0),    // three query/key tiles of 128, last one partial
+    c(1, 2, 1, 150, 290, 16, 32, 140, 1.0), // cache offset not aligned to tiles, T > tile
 ];
 
 fn inputs(cs: &Case, seed: u64, dt: DType) -> Result<(Tensor, Tensor, Tensor)> {
@@ -146,7 +148,7 @@ fn non_contiguous_inputs() -> Result<()> {
 #[test]
 fn decode_step_equals_last_row_of_full_pass() -> Result<()> {
     // Running the whole sequence, then only the last query against the full cache, must agree.
-    let (b, hq, hk, n, d) = (1, 6, 2, 90, 16);
+    let (b, hq, hk, n, d) = (1, 6, 2, 300, 16);
     let q = rand_t(&[b, hq, n, d], 11, 1.0, DType::F32)?;
     let k = rand_t(&[b, hk, n, d], 12, 1.0, DType::F32)?;
     let v = rand_t(&[b, hk, n, 2 * d], 13, 1.0, DType::F32)?;
