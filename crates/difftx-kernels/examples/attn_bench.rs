@@ -3,14 +3,14 @@
 //! Usage: `cargo run --profile test -p difftx-kernels --example attn_bench [-- CONFIGS]`
 //! Without arguments it runs a default set of configurations, each in its own child process so
 //! that the peak RSS (VmHWM) of one does not leak into the next, and prints one JSON document.
-//! A child is `attn_bench one MODE N [T]` with MODE in `flash`, `flash_bwd`, `naive`, `decode`.
-//! Shapes: B = 1, Hq = Hk = 8, d = 32 (D = 256), f32, scale d^-0.5.
+//! A child is `attn_bench one MODE N [REPS [B]]` with MODE in `flash`, `flash_bwd`, `naive`,
+//! `naive_bwd`, `decode` (T = 1 against a cache of N); a config argument is `MODE:N[:REPS[:B]]`.
+//! Shapes: B = 1 unless given, Hq = Hk = 8, d = 32 (D = 256), f32, scale d^-0.5.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use difftx_kernels::flash_attention;
 use std::time::Instant;
 
-const B: usize = 1;
 const H: usize = 8;
 const DH: usize = 32;
 
@@ -36,13 +36,13 @@ fn naive(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     p.matmul(v)
 }
 
-fn one(mode: &str, n: usize, reps: usize) -> Result<String> {
+fn one(mode: &str, n: usize, reps: usize, b: usize) -> Result<String> {
     let dev = Device::Cpu;
     let scale = 1.0 / (DH as f64).sqrt();
     let t = if mode == "decode" { 1 } else { n };
-    let q = Tensor::randn(0f32, 1.0, (B, H, t, DH), &dev)?;
-    let k = Tensor::randn(0f32, 1.0, (B, H, n, DH), &dev)?;
-    let v = Tensor::randn(0f32, 1.0, (B, H, n, DH), &dev)?;
+    let q = Tensor::randn(0f32, 1.0, (b, H, t, DH), &dev)?;
+    let k = Tensor::randn(0f32, 1.0, (b, H, n, DH), &dev)?;
+    let v = Tensor::randn(0f32, 1.0, (b, H, n, DH), &dev)?;
     let rss_inputs = rss_kib("VmRSS:");
     let mut times = Vec::new();
     for _ in 0..reps {
@@ -79,8 +79,8 @@ fn one(mode: &str, n: usize, reps: usize) -> Result<String> {
     let best = times.iter().cloned().fold(f64::INFINITY, f64::min);
     let _ = DType::F32;
     Ok(format!(
-        "{{\"mode\":\"{mode}\",\"n\":{n},\"t\":{t},\"b\":{B},\"heads\":{H},\"d_head\":{DH},\"reps\":{reps},\"best_s\":{best:.6},\"times_s\":{times:?},\"tokens_per_s\":{:.1},\"rss_inputs_mib\":{:.1},\"peak_rss_mib\":{:.1}}}",
-        (B * t) as f64 / best,
+        "{{\"mode\":\"{mode}\",\"n\":{n},\"t\":{t},\"b\":{b},\"heads\":{H},\"d_head\":{DH},\"reps\":{reps},\"best_s\":{best:.6},\"times_s\":{times:?},\"tokens_per_s\":{:.1},\"rss_inputs_mib\":{:.1},\"peak_rss_mib\":{:.1}}}",
+        (b * t) as f64 / best,
         rss_inputs as f64 / 1024.0,
         rss_kib("VmHWM:") as f64 / 1024.0
     ))
@@ -91,33 +91,42 @@ fn main() -> Result<()> {
     if args.len() >= 4 && args[1] == "one" {
         let n: usize = args[3].parse().expect("N");
         let reps: usize = args.get(4).map(|r| r.parse().expect("reps")).unwrap_or(3);
-        println!("{}", one(&args[2], n, reps)?);
+        let b: usize = args.get(5).map(|r| r.parse().expect("batch")).unwrap_or(1);
+        println!("{}", one(&args[2], n, reps, b)?);
         return Ok(());
     }
-    let configs: Vec<(String, usize, usize)> = if args.len() > 1 {
+    let configs: Vec<(String, usize, usize, usize)> = if args.len() > 1 {
         args[1..]
             .iter()
             .map(|c| {
                 let p: Vec<&str> = c.split(':').collect();
-                (p[0].to_string(), p[1].parse().unwrap(), p.get(2).map_or(3, |r| r.parse().unwrap()))
+                (
+                    p[0].to_string(),
+                    p[1].parse().expect("N"),
+                    p.get(2).map_or(3, |r| r.parse().expect("REPS")),
+                    p.get(3).map_or(1, |r| r.parse().expect("B")),
+                )
             })
             .collect()
     } else {
         vec![
-            ("naive".into(), 4096, 3),
-            ("flash".into(), 4096, 3),
-            ("flash".into(), 16384, 1),
-            ("naive_bwd".into(), 4096, 1),
-            ("flash_bwd".into(), 4096, 1),
-            ("decode".into(), 4096, 20),
-            ("decode".into(), 16384, 10),
+            ("naive".into(), 4096, 3, 1),
+            ("flash".into(), 4096, 3, 1),
+            ("flash".into(), 16384, 1, 1),
+            ("naive_bwd".into(), 4096, 1, 1),
+            ("flash_bwd".into(), 4096, 1, 1),
+            ("decode".into(), 4096, 20, 1),
+            ("decode".into(), 16384, 10, 1),
+            // bench-s training shape (SPEC §3): B 8, T 256
+            ("naive_bwd".into(), 256, 5, 8),
+            ("flash_bwd".into(), 256, 5, 8),
         ]
     };
     let exe = std::env::current_exe().expect("current exe");
     let mut results = Vec::new();
-    for (mode, n, reps) in configs {
+    for (mode, n, reps, b) in configs {
         let out = std::process::Command::new(&exe)
-            .args(["one", &mode, &n.to_string(), &reps.to_string()])
+            .args(["one", &mode, &n.to_string(), &reps.to_string(), &b.to_string()])
             .output()
             .expect("spawn child");
         let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
