@@ -6,19 +6,29 @@
 //!   forward for the backward; `delta` `[B, Hq, T]`: `rowsum(dout * out)` (backward only).
 //! * GQA: query head `h` reads kv head `h / (Hq / Hk)`.
 //! * Causality with offset: query row `t` sits at absolute position `t + q_offset` and sees keys
-//!   `s <= t + q_offset` (clipped to `S - 1`). Masked keys are never computed: each row's key range
-//!   is cut short, so there is no `-inf` arithmetic and no `N x N` map anywhere.
+//!   `s <= t + q_offset` (clipped to `S - 1`). Key blocks entirely in the future are skipped; in a
+//!   diagonal block a row only exponentiates its visible prefix and zeroes the rest (no `-inf`
+//!   arithmetic). There is no `N x N` map anywhere: the largest temporary is a `[BR, BC]` tile.
 //!
-//! Forward, per task `(b, h, block of BR query rows)`: loop over key blocks of `BC` keys; the key
-//! block is transposed once into `kt [dk][BC]` so a row's scores are `dk` vectorised axpys;
-//! online softmax keeps the running max `m`, the running sum `l` and the unnormalised output row.
+//! Forward, per task `(b, h, block of BR query rows)`: loop over key blocks of `BC` keys;
+//! `S = scale Q K^T` (`[BR, BC]`) and `O += P V` are `gemm` tile products (single-threaded; the
+//! parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
+//! max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
+//! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
+//! processed one at a time with dot products and axpys instead of tiles.
 //!
-//! Backward (recompute, two passes, no atomics):
-//! * pass 1, per task `(b, kv head, key block)`: for every query head of the group and every query
-//!   row that sees the block, recompute `p = exp(s - lse)`, `dp = dout · v`, `ds = p (dp - delta)`,
-//!   accumulate `dv += p dout`, `dk += scale ds q` into the block's own rows.
-//! * pass 2, per task `(b, h, query block)`: the same recompute, accumulating `dq += scale ds k`.
+//! Backward (FlashAttention-2 recompute, two passes, no atomics, deterministic):
+//! * `delta_t = dout_t · out_t`.
+//! * pass 1, per task `(b, kv head, key block)`: for every query head of the group and every block
+//!   of query rows that sees the key block, recompute `P = exp(scale Q K^T - lse)`,
+//!   `dS = scale P (dO V^T - delta)`, and accumulate `dV += P^T dO`, `dK += dS^T Q` into the key
+//!   block's own rows (so GQA heads sum without races).
+//! * pass 2, per task `(b, h, query block)`: the same recompute, accumulating `dQ += dS K`.
+//!
 //! Memory beyond inputs/outputs is O(B·Hq·T) for `lse`/`delta` plus per-thread tiles.
+
+// Kernels over raw slices naturally take many arguments.
+#![allow(clippy::too_many_arguments)]
 
 use crate::cpu::storage_slice;
 use crate::float::{max_slice, sum_slice, Float};
@@ -29,9 +39,10 @@ use std::sync::Mutex;
 
 /// Query rows per forward / dq task.
 const BR: usize = 128;
-/// Keys per key block (tile of K and V kept hot in L1/L2 and transposed once).
+/// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls).
 const BC: usize = 128;
-/// Below this many rows per task the scores are plain dot products (no transposed tile).
+/// Below this many rows per task the forward uses dot products instead of gemm tiles
+/// (measured 2-3x faster for T = 1 decode).
 const DOT_ROWS: usize = 4;
 
 /// Causal flash attention with backward (dq, dk, dv).
@@ -125,7 +136,6 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
 /// (single-threaded: the parallelism is over tasks). `C` is `m x n` row-major with row stride
 /// `ldc`; `A` is `m x k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k x n` with
 /// `(p, j)` at `b[p * b_rs + j * b_cs]`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn mm<T: Float>(
     m: usize,
@@ -214,7 +224,6 @@ impl<T: Float> Scratch<T> {
 /// One forward task: rows `t0 .. t0 + lse.len()` of one (batch, query head).
 /// `qh` is that head's `[T, dk]`, `kh`/`vh` its kv head's `[S, dk]`/`[S, dv]`;
 /// writes `out` (`[rows, dv]`) and `lse` (`[rows]`).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fwd_task<T: Float>(
     d: &Dims,
@@ -255,7 +264,6 @@ fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> 
 
 /// Tiled forward (rows >= DOT_ROWS): per key block, `S = scale Q K^T` and `O += P V` are gemm
 /// tile products; the online softmax runs row by row on the `[rows, BC]` tile in between.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fwd_task_tiled<T: Float>(
     d: &Dims,
@@ -306,7 +314,6 @@ fn fwd_task_tiled<T: Float>(
 }
 
 /// Row-at-a-time forward for a handful of rows (decode, T = 1): dot products and axpys, no tiles.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fwd_task_rows<T: Float>(
     d: &Dims,
@@ -402,7 +409,6 @@ pub(crate) struct BwdIn<'a, T> {
 /// Recomputes the probability tile of query rows `t0 .. t0 + rows` of head `bh` against keys
 /// `s0 .. s0 + nb`: `st[i, j] = exp(scale q_i . k_j - lse_i)` for causally visible `j`, else 0;
 /// then `dpt[i, j] = scale * p_ij * (dout_i . v_j - delta_i)` (= dS, the score gradient).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize, s0: usize, nb: usize, st: &mut [T], dpt: &mut [T]) {
     let d = &x.d;
@@ -433,7 +439,6 @@ fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize
 /// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
 /// `dvb` `[nb, dv]` over every query head of the group and every query row that sees the block:
 /// `dV += P^T dO`, `dK += dS^T Q`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn bwd_kv_task<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
     let d = &x.d;
@@ -478,7 +483,6 @@ fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &
 }
 
 /// Backward over all heads. Writes `dq` `[B,Hq,T,dk]`, `dk` `[B,Hk,S,dk]`, `dv` `[B,Hk,S,dv]`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_bwd<T: Float>(
     d: &Dims,
     scale: f64,

@@ -77,6 +77,7 @@ impl Float for f64 {
 /// Branch-free exp for f32. Inputs below -87 (including -inf) return 0, inputs above 88 saturate
 /// at exp(88); NaN stays NaN. Written with selects and integer bit tricks only (no calls, no
 /// saturating float->int casts) so loops over it vectorise.
+#[allow(clippy::manual_clamp)] // f32::clamp keeps NaN; maxnum/minnum map it to a finite value
 #[inline(always)]
 pub(crate) fn fast_exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;

@@ -36,6 +36,7 @@ struct Case {
     amp: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 const fn c(b: usize, hq: usize, hk: usize, t: usize, s: usize, dk: usize, dv: usize, off: usize, amp: f64) -> Case {
     Case { b, hq, hk, t, s, dk, dv, off, amp }
 }
