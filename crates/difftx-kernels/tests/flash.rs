@@ -176,3 +176,45 @@ fn bad_shapes_error() -> Result<()> {
     assert!(flash_attention(&q, &k.to_dtype(DType::F16)?, &v.to_dtype(DType::F16)?, 1.0, 0).is_err(), "f16");
     Ok(())
 }
+
+#[test]
+fn long_sequence_f32_accuracy() -> Result<()> {
+    // Many key tiles: f32 rounding in the online softmax / tile accumulations must stay < 1e-5.
+    let cs = c(1, 2, 1, 1100, 1100, 32, 64, 0, 2.0);
+    let scale = 1.0 / (cs.dk as f64).sqrt();
+    let (q, k, v) = inputs(&cs, 4242, DType::F64)?;
+    let w = rand_t(&[cs.b, cs.hq, cs.t, cs.dv], 4243, 1.0, DType::F64)?;
+    let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+    let want_out = attn_ref(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, 0)?;
+    let gr = (&want_out * &w)?.sum_all()?.backward()?;
+    let (q32, k32, v32) = (
+        Var::from_tensor(&q.to_dtype(DType::F32)?)?,
+        Var::from_tensor(&k.to_dtype(DType::F32)?)?,
+        Var::from_tensor(&v.to_dtype(DType::F32)?)?,
+    );
+    let out = flash_attention(q32.as_tensor(), k32.as_tensor(), v32.as_tensor(), scale, 0)?;
+    let err = rel_err(&out, &want_out);
+    assert!(err < 1e-5, "out err {err}");
+    let gf = (out * w.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+    for (name, a, b) in [("dq", &q32, &qv), ("dk", &k32, &kv), ("dv", &v32, &vv)] {
+        let err = rel_err(gf.get(a.as_tensor()).unwrap(), gr.get(b.as_tensor()).unwrap());
+        assert!(err < 1e-5, "{name} err {err}");
+    }
+    Ok(())
+}
+
+#[test]
+fn backward_twice_through_the_same_graph() -> Result<()> {
+    // The saved log-sum-exp must survive the first backward.
+    let cs = c(1, 4, 2, 20, 20, 8, 16, 0, 1.0);
+    let (q, k, v) = inputs(&cs, 99, DType::F64)?;
+    let qv = Var::from_tensor(&q)?;
+    let out = flash_attention(qv.as_tensor(), &k, &v, 0.5, 0)?;
+    let loss = out.sqr()?.sum_all()?;
+    let g1 = loss.backward()?.get(qv.as_tensor()).unwrap().clone();
+    let g2 = loss.backward()?.get(qv.as_tensor()).unwrap().clone();
+    assert_eq!(flat(&g1), flat(&g2));
+    let want = (attn_ref(qv.as_tensor(), &k, &v, 0.5, 0)?.sqr()?.sum_all()?).backward()?;
+    assert!(rel_err(&g1, want.get(qv.as_tensor()).unwrap()) < 1e-11);
+    Ok(())
+}
