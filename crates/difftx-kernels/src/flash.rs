@@ -574,6 +574,12 @@ mod simd {
         };
     }
     variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512);
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        std::is_x86_feature_detected!("avx512f") && has_avx2()
+    }
 
     #[cfg(target_arch = "x86_64")]
     fn has_avx2() -> bool {
@@ -581,6 +587,11 @@ mod simd {
     }
 
     pub(super) fn pick_fwd<T: Float>() -> FwdFn<T> {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) };
+        }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU supports the enabled features (checked just above).
@@ -590,6 +601,14 @@ mod simd {
     }
 
     pub(super) fn pick_bwd<T: Float>() -> (KvFn<T>, QFn<T>) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return (
+                |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx512(x, b, g, s0, nb, dkb, dvb, sc) },
+                |x, bh, t0, dqb, sc| unsafe { q_avx512(x, bh, t0, dqb, sc) },
+            );
+        }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU supports the enabled features (checked just above).
