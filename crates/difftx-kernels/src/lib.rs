@@ -1,1 +1,29 @@
+//! # difftx-kernels
+//!
+//! Numeric kernels for the difftx engine, each with a forward **and** a backward pass, behind
+//! small functions over candle tensors. candle 0.11's fused `softmax_last_dim`, `rms_norm`,
+//! `rotary_emb` and `sdpa` have no backward (gradients stop there silently); the functions here
+//! are drop-in replacements registered as `CustomOp`s with `bwd`, so `Tensor::backward` flows
+//! through them.
+//!
+//! What this crate owns:
+//! * [`softmax_last_dim`]: softmax over the last dimension.
+//! * [`rms_norm`]: RMSNorm over the last dimension, optional gain.
+//! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
+//!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
+//!
+//! What it must not touch: no model, no configuration, no I/O, no checkpoints, no allocator
+//! choices. Everything is a pure function of its input tensors. Each kernel is written as plain
+//! functions over row-major slices, with the layout in a comment, forward and backward side by
+//! side; the candle glue (dtype dispatch, contiguity, `CustomOp` impls) sits next to them.
+//! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
+mod cpu;
+mod flash;
+mod float;
+mod rms_norm;
+mod softmax;
+
+pub use flash::flash_attention;
+pub use rms_norm::rms_norm;
+pub use softmax::softmax_last_dim;

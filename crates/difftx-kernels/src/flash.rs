@@ -1,0 +1,764 @@
+//! Fused causal attention (FlashAttention-2 style) with backward, on the CPU.
+//!
+//! Layouts (row-major, contiguous):
+//! * `q`  `[B, Hq, T, dk]`, `k` `[B, Hk, S, dk]`, `v` `[B, Hk, S, dv]`, `out`/`dout` `[B, Hq, T, dv]`
+//! * `lse` `[B, Hq, T]`: per query row `m + ln(l)` (log-sum-exp of the scaled scores), saved by the
+//!   forward for the backward; `delta` `[B, Hq, T]`: `rowsum(dout * out)` (backward only).
+//! * GQA: query head `h` reads kv head `h / (Hq / Hk)`.
+//! * Causality with offset: query row `t` sits at absolute position `t + q_offset` and sees keys
+//!   `s <= t + q_offset` (clipped to `S - 1`). Key blocks entirely in the future are skipped; in a
+//!   diagonal block a row only exponentiates its visible prefix and zeroes the rest (no `-inf`
+//!   arithmetic). There is no `N x N` map anywhere: the largest temporary is a `[BR, BC]` tile.
+//!
+//! Forward, per task `(b, h, block of BR query rows)`: loop over key blocks of `BC` keys;
+//! `S = scale Q K^T` (`[BR, BC]`) and `O += P V` are `gemm` tile products (single-threaded; the
+//! parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
+//! max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
+//! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
+//! processed one at a time with dot products and axpys instead of tiles.
+//!
+//! Backward (FlashAttention-2 recompute, two passes, no atomics, deterministic):
+//! * `delta_t = dout_t · out_t`.
+//! * pass 1, per task `(b, kv head, key block)`: for every query head of the group and every block
+//!   of query rows that sees the key block, recompute `P = exp(scale Q K^T - lse)`,
+//!   `dS = scale P (dO V^T - delta)`, and accumulate `dV += P^T dO`, `dK += dS^T Q` into the key
+//!   block's own rows (so GQA heads sum without races).
+//! * pass 2, per task `(b, h, query block)`: the same recompute, accumulating `dQ += dS K`.
+//!
+//! Memory beyond inputs/outputs is O(B·Hq·T) for `lse`/`delta` plus per-thread tiles.
+
+// Kernels over raw slices naturally take many arguments.
+#![allow(clippy::too_many_arguments)]
+
+use crate::cpu::storage_slice;
+use crate::float::{max_slice, sum_slice, Float};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// Query rows per forward / dq task.
+const BR: usize = 128;
+/// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls).
+const BC: usize = 128;
+/// Below this many rows per task the forward uses dot products instead of gemm tiles
+/// (measured 2-3x faster for T = 1 decode).
+const DOT_ROWS: usize = 4;
+
+/// Causal flash attention with backward (dq, dk, dv).
+///
+/// q: [B, Hq, T, dk], k: [B, Hk, S, dk], v: [B, Hk, S, dv]; Hq % Hk == 0; query head i uses kv
+/// head i / (Hq/Hk) (GQA). Query row t sits at absolute position t + q_offset and attends to key
+/// positions s <= t + q_offset (S = q_offset + T for a KV cache; q_offset = 0 in training).
+/// scores = q·k * scale. Returns out [B, Hq, T, dv]. f32 and f64; CPU only.
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize) -> Result<Tensor> {
+    let dims = check_shapes(q, k, v)?;
+    if dims.s == 0 && dims.t > 0 {
+        bail!("difftx_kernels::flash_attention: no keys (S = 0)");
+    }
+    let op = FlashAttn { scale, q_offset, lse: Mutex::new(None) };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    b: usize,
+    hq: usize,
+    hk: usize,
+    t: usize,
+    s: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Dims {
+    fn rep(&self) -> usize {
+        self.hq / self.hk
+    }
+}
+
+fn dims_of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
+    let (&[b, hq, t, dk], &[bk, hk, s, dk2], &[bv, hv, sv, dv]) = (q, k, v) else {
+        bail!("difftx_kernels::flash_attention: q, k, v must be rank 4, got {q:?} {k:?} {v:?}");
+    };
+    if b != bk || b != bv || hk != hv || s != sv || dk != dk2 {
+        bail!("difftx_kernels::flash_attention: incompatible shapes q {q:?} k {k:?} v {v:?}");
+    }
+    if hk == 0 || hq % hk != 0 {
+        bail!("difftx_kernels::flash_attention: Hq = {hq} is not a multiple of Hk = {hk}");
+    }
+    Ok(Dims { b, hq, hk, t, s, dk, dv })
+}
+
+fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+    let dt = q.dtype();
+    if k.dtype() != dt || v.dtype() != dt {
+        bail!("difftx_kernels::flash_attention: dtypes differ: {dt:?} {:?} {:?}", k.dtype(), v.dtype());
+    }
+    match dt {
+        DType::F32 | DType::F64 => {}
+        dt => bail!("difftx_kernels::flash_attention: unsupported dtype {dt:?} (f32, f64 only)"),
+    }
+    dims_of(q.dims(), k.dims(), v.dims())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small vector helpers (plain loops over slices; LLVM vectorises them).
+
+#[inline(always)]
+fn axpy<T: Float>(y: &mut [T], a: T, x: &[T]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+#[inline(always)]
+fn dot<T: Float>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = T::ZERO;
+    for (&x, &y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
+/// `C = (acc ? C : 0) + beta * A B` on small tiles through the `gemm` micro-kernels
+/// (single-threaded: the parallelism is over tasks). `C` is `m x n` row-major with row stride
+/// `ldc`; `A` is `m x k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k x n` with
+/// `(p, j)` at `b[p * b_rs + j * b_cs]`.
+#[inline(always)]
+fn mm<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [T],
+    ldc: usize,
+    acc: bool,
+    a: &[T],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[T],
+    b_rs: usize,
+    b_cs: usize,
+    beta: T,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
+    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm: C out of bounds");
+    if k == 0 {
+        if !acc {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].fill(T::ZERO);
+            }
+        }
+        return;
+    }
+    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm: A out of bounds");
+    assert!(last(b_rs, b_cs, k, n) < b.len(), "mm: B out of bounds");
+    // SAFETY: every element the kernel reads or writes is inside the slices (asserted above),
+    // and `c` does not alias `a` or `b` (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            acc,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::ONE,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Per-thread scratch tiles.
+pub(crate) struct Scratch<T> {
+    s: Vec<T>,
+    qs: Vec<T>,
+    m: Vec<T>,
+    l: Vec<T>,
+    /// `[BR, BC]` score / probability tile and `[BR, BC]` dP / dS tile.
+    st: Vec<T>,
+    dpt: Vec<T>,
+}
+
+impl<T: Float> Scratch<T> {
+    fn new(d: &Dims) -> Self {
+        Scratch {
+            s: vec![T::ZERO; BC],
+            qs: vec![T::ZERO; d.dk],
+            m: vec![T::ZERO; BR],
+            l: vec![T::ZERO; BR],
+            st: vec![T::ZERO; BR * BC],
+            dpt: vec![T::ZERO; BR * BC],
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+/// One forward task: rows `t0 .. t0 + lse.len()` of one (batch, query head).
+/// `qh` is that head's `[T, dk]`, `kh`/`vh` its kv head's `[S, dk]`/`[S, dv]`;
+/// writes `out` (`[rows, dv]`) and `lse` (`[rows]`).
+#[inline(always)]
+fn fwd_task<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qh: &[T],
+    kh: &[T],
+    vh: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    if lse.len() >= DOT_ROWS {
+        fwd_task_tiled(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+    } else {
+        fwd_task_rows(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+    }
+}
+
+/// Online-softmax update of one score row `s` (`n` valid entries of `nb`, the rest masked):
+/// turns `s[..nb]` into unnormalised probabilities against the new running max, updates `m`
+/// and `l`, and returns the factor the row's output accumulator must be rescaled by.
+#[inline(always)]
+fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> T {
+    let mx = max_slice(&s[..n], *m);
+    for x in s[..n].iter_mut() {
+        *x -= mx;
+    }
+    T::exp_inplace(&mut s[..n]);
+    s[n..].fill(T::ZERO);
+    let psum = sum_slice(&s[..n]);
+    let alpha = (*m - mx).exp(); // 0 on the first block (m = -inf), 1 when the max is unchanged
+    *l = *l * alpha + psum;
+    *m = mx;
+    alpha
+}
+
+/// Tiled forward (rows >= DOT_ROWS): per key block, `S = scale Q K^T` and `O += P V` are gemm
+/// tile products; the online softmax runs row by row on the `[rows, BC]` tile in between.
+#[inline(always)]
+fn fwd_task_tiled<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qh: &[T],
+    kh: &[T],
+    vh: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    let (dk, dv) = (d.dk, d.dv);
+    let rows = lse.len();
+    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
+    m.fill(T::NEG_INF);
+    l.fill(T::ZERO);
+    out.fill(T::ZERO);
+    let qb = &qh[t0 * dk..(t0 + rows) * dk];
+    let kend = (t0 + rows + q_offset).min(d.s);
+    let mut s0 = 0;
+    while s0 < kend {
+        let s1 = (s0 + BC).min(kend);
+        let nb = s1 - s0;
+        // S[i, j] = scale * q_i . k_{s0 + j}
+        mm(rows, nb, dk, &mut sc.st, BC, false, qb, dk, 1, &kh[s0 * dk..s1 * dk], 1, dk, scale);
+        for i in 0..rows {
+            let n = (t0 + i + q_offset + 1).min(s1).saturating_sub(s0);
+            let alpha = online_softmax_row(&mut sc.st[i * BC..i * BC + nb], n, &mut m[i], &mut l[i]);
+            if alpha != T::ONE {
+                for x in out[i * dv..(i + 1) * dv].iter_mut() {
+                    *x *= alpha;
+                }
+            }
+        }
+        // O += P V
+        mm(rows, dv, nb, out, dv, true, &sc.st, BC, 1, &vh[s0 * dv..s1 * dv], dv, 1, T::ONE);
+        s0 = s1;
+    }
+    for i in 0..rows {
+        let inv = T::ONE / l[i];
+        for x in out[i * dv..(i + 1) * dv].iter_mut() {
+            *x *= inv;
+        }
+        lse[i] = m[i] + l[i].ln();
+    }
+}
+
+/// Row-at-a-time forward for a handful of rows (decode, T = 1): dot products and axpys, no tiles.
+#[inline(always)]
+fn fwd_task_rows<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qh: &[T],
+    kh: &[T],
+    vh: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    let (dk, dv) = (d.dk, d.dv);
+    for (i, (o, lse)) in out.chunks_exact_mut(dv).zip(lse.iter_mut()).enumerate() {
+        let t = t0 + i;
+        let kend = (t + q_offset + 1).min(d.s);
+        for (x, &y) in sc.qs.iter_mut().zip(&qh[t * dk..(t + 1) * dk]) {
+            *x = y * scale;
+        }
+        o.fill(T::ZERO);
+        let (mut m, mut l) = (T::NEG_INF, T::ZERO);
+        let mut s0 = 0;
+        while s0 < kend {
+            let s1 = (s0 + BC).min(kend);
+            let n = s1 - s0;
+            for (j, x) in sc.s[..n].iter_mut().enumerate() {
+                *x = dot(&sc.qs, &kh[(s0 + j) * dk..(s0 + j + 1) * dk]);
+            }
+            let alpha = online_softmax_row(&mut sc.s[..n], n, &mut m, &mut l);
+            if alpha != T::ONE {
+                for x in o.iter_mut() {
+                    *x *= alpha;
+                }
+            }
+            for (j, &p) in sc.s[..n].iter().enumerate() {
+                axpy(o, p, &vh[(s0 + j) * dv..(s0 + j + 1) * dv]);
+            }
+            s0 = s1;
+        }
+        let inv = T::ONE / l;
+        for x in o.iter_mut() {
+            *x *= inv;
+        }
+        *lse = m + l.ln();
+    }
+}
+
+/// Forward over all heads: fills `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`.
+pub(crate) fn flash_fwd<T: Float>(d: &Dims, scale: f64, q_offset: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+    if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
+        return;
+    }
+    let scale = T::from_f64(scale);
+    let rows_per = if d.t <= BR { d.t } else { BR };
+    let mut tasks = Vec::with_capacity(d.b * d.hq * d.t.div_ceil(rows_per));
+    for (bh, (oc, lc)) in out.chunks_mut(d.t * d.dv).zip(lse.chunks_mut(d.t)).enumerate() {
+        for (blk, (o, l)) in oc.chunks_mut(rows_per * d.dv).zip(lc.chunks_mut(rows_per)).enumerate() {
+            tasks.push((bh, blk * rows_per, o, l));
+        }
+    }
+    tasks.reverse(); // heaviest (latest) query blocks first
+    let kernel = simd::pick_fwd::<T>();
+    tasks.into_par_iter().for_each_init(
+        || Scratch::new(d),
+        |sc, (bh, t0, o, l)| {
+            let (b, h) = (bh / d.hq, bh % d.hq);
+            let kv = b * d.hk + h / d.rep();
+            let qh = &q[bh * d.t * d.dk..(bh + 1) * d.t * d.dk];
+            let kh = &k[kv * d.s * d.dk..(kv + 1) * d.s * d.dk];
+            let vh = &v[kv * d.s * d.dv..(kv + 1) * d.s * d.dv];
+            kernel(d, scale, q_offset, t0, qh, kh, vh, o, l, sc);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+/// Inputs shared by both backward passes.
+pub(crate) struct BwdIn<'a, T> {
+    d: Dims,
+    scale: T,
+    q_offset: usize,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    dout: &'a [T],
+    lse: &'a [T],
+    delta: &'a [T],
+}
+
+/// Recomputes the probability tile of query rows `t0 .. t0 + rows` of head `bh` against keys
+/// `s0 .. s0 + nb`: `st[i, j] = exp(scale q_i . k_j - lse_i)` for causally visible `j`, else 0;
+/// then `dpt[i, j] = scale * p_ij * (dout_i . v_j - delta_i)` (= dS, the score gradient).
+#[inline(always)]
+fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize, s0: usize, nb: usize, st: &mut [T], dpt: &mut [T]) {
+    let d = &x.d;
+    let (dk, dv) = (d.dk, d.dv);
+    let r0 = bh * d.t + t0;
+    let qb = &x.q[r0 * dk..(r0 + rows) * dk];
+    let gb = &x.dout[r0 * dv..(r0 + rows) * dv];
+    let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
+    let vb = &x.v[(kv * d.s + s0) * dv..(kv * d.s + s0 + nb) * dv];
+    mm(rows, nb, dk, st, BC, false, qb, dk, 1, kb, 1, dk, x.scale);
+    mm(rows, nb, dv, dpt, BC, false, gb, dv, 1, vb, 1, dv, T::ONE);
+    for i in 0..rows {
+        let n = (t0 + i + x.q_offset + 1).min(s0 + nb).saturating_sub(s0);
+        let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
+        let p = &mut st[i * BC..i * BC + nb];
+        for e in p[..n].iter_mut() {
+            *e -= lse;
+        }
+        T::exp_inplace(&mut p[..n]);
+        p[n..].fill(T::ZERO);
+        let ds = &mut dpt[i * BC..i * BC + nb];
+        for (g, &pj) in ds.iter_mut().zip(p.iter()) {
+            *g = pj * (*g - delta) * x.scale;
+        }
+    }
+}
+
+/// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
+/// `dvb` `[nb, dv]` over every query head of the group and every query row that sees the block:
+/// `dV += P^T dO`, `dK += dS^T Q`.
+#[inline(always)]
+fn bwd_kv_task<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+    let d = &x.d;
+    let (dk, dv) = (d.dk, d.dv);
+    dkb.fill(T::ZERO);
+    dvb.fill(T::ZERO);
+    let kv = b * d.hk + g;
+    let t_start = s0.saturating_sub(x.q_offset);
+    for h in g * d.rep()..(g + 1) * d.rep() {
+        let bh = b * d.hq + h;
+        let mut t0 = t_start;
+        while t0 < d.t {
+            let rows = (d.t - t0).min(BR);
+            bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+            let r0 = bh * d.t + t0;
+            // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
+            mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
+            // dK[j, :] += sum_i dS[i, j] Q[i, :]
+            mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+            t0 += rows;
+        }
+    }
+}
+
+/// Pass 2 task: `dq` rows `t0 .. t0 + rows` of head `bh`; `dqb` is `[rows, dk]`: `dQ += dS K`.
+#[inline(always)]
+fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &mut Scratch<T>) {
+    let d = &x.d;
+    let dk = d.dk;
+    let rows = dqb.len() / dk;
+    dqb.fill(T::ZERO);
+    let kv = (bh / d.hq) * d.hk + (bh % d.hq) / d.rep();
+    let kend = (t0 + rows + x.q_offset).min(d.s);
+    let mut s0 = 0;
+    while s0 < kend {
+        let nb = (kend - s0).min(BC);
+        bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+        let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
+        mm(rows, dk, nb, dqb, dk, true, &sc.dpt, BC, 1, kb, dk, 1, T::ONE);
+        s0 += nb;
+    }
+}
+
+/// Backward over all heads. Writes `dq` `[B,Hq,T,dk]`, `dk` `[B,Hk,S,dk]`, `dv` `[B,Hk,S,dv]`.
+pub(crate) fn flash_bwd<T: Float>(
+    d: &Dims,
+    scale: f64,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    dout: &[T],
+    lse: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
+    dq.fill(T::ZERO);
+    dk.fill(T::ZERO);
+    dv.fill(T::ZERO);
+    if d.t == 0 || d.s == 0 || d.b * d.hq == 0 || d.dv == 0 {
+        return;
+    }
+    // delta = rowsum(dout * out)
+    let mut delta = vec![T::ZERO; d.b * d.hq * d.t];
+    delta
+        .par_iter_mut()
+        .zip(out.par_chunks(d.dv).zip(dout.par_chunks(d.dv)))
+        .with_min_len(256)
+        .for_each(|(o, (a, b))| *o = dot(a, b));
+    let x = BwdIn { d: *d, scale: T::from_f64(scale), q_offset, q, k, v, dout, lse, delta: &delta };
+    let (kv_kernel, q_kernel) = simd::pick_bwd::<T>();
+    if d.dk > 0 {
+        // pass 2 first or second does not matter; dq
+        let rows_per = if d.t <= BR { d.t } else { BR };
+        let mut tasks = Vec::new();
+        for (bh, c) in dq.chunks_mut(d.t * d.dk).enumerate() {
+            for (blk, o) in c.chunks_mut(rows_per * d.dk).enumerate() {
+                tasks.push((bh, blk * rows_per, o));
+            }
+        }
+        tasks.reverse();
+        tasks.into_par_iter().for_each_init(|| Scratch::new(d), |sc, (bh, t0, o)| q_kernel(&x, bh, t0, o, sc));
+    }
+    // pass 1: dk, dv per key block
+    let mut tasks = Vec::new();
+    let dk_chunk = (d.s * d.dk).max(1);
+    let mut dk_heads: Vec<&mut [T]> = if d.dk > 0 { dk.chunks_mut(dk_chunk).collect() } else { Vec::new() };
+    for (bg, dvc) in dv.chunks_mut(d.s * d.dv).enumerate() {
+        let dkc: &mut [T] = if d.dk > 0 { std::mem::take(&mut dk_heads[bg]) } else { &mut [] };
+        let mut dk_blocks: Vec<&mut [T]> = if d.dk > 0 { dkc.chunks_mut(BC * d.dk).collect() } else { Vec::new() };
+        for (blk, dvb) in dvc.chunks_mut(BC * d.dv).enumerate() {
+            let dkb: &mut [T] = if d.dk > 0 { std::mem::take(&mut dk_blocks[blk]) } else { &mut [] };
+            let nb = dvb.len() / d.dv;
+            tasks.push((bg / d.hk, bg % d.hk, blk * BC, nb, dkb, dvb));
+        }
+    }
+    tasks.into_par_iter().for_each_init(|| Scratch::new(d), |sc, (b, g, s0, nb, dkb, dvb)| kv_kernel(&x, b, g, s0, nb, dkb, dvb, sc));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime dispatch: the same generic bodies compiled for AVX2+FMA / AVX-512 when available.
+
+mod simd {
+    use super::*;
+
+    pub(super) type FwdFn<T> =
+        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
+
+    macro_rules! variants {
+        ($feat:literal, $fwd:ident, $kv:ident, $q:ident) => {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $fwd<T: Float>(
+                d: &Dims, scale: T, qo: usize, t0: usize, qh: &[T], kh: &[T], vh: &[T],
+                out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>,
+            ) {
+                fwd_task(d, scale, qo, t0, qh, kh, vh, out, lse, sc)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $kv<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+                bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $q<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &mut Scratch<T>) {
+                bwd_q_task(x, bh, t0, dqb, sc)
+            }
+        };
+    }
+    variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512);
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx512() -> bool {
+        std::is_x86_feature_detected!("avx512f") && has_avx2()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx2() -> bool {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+
+    pub(super) fn pick_fwd<T: Float>() -> FwdFn<T> {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) };
+        }
+        |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
+    }
+
+    pub(super) fn pick_bwd<T: Float>() -> (KvFn<T>, QFn<T>) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return (
+                |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx512(x, b, g, s0, nb, dkb, dvb, sc) },
+                |x, bh, t0, dqb, sc| unsafe { q_avx512(x, bh, t0, dqb, sc) },
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the enabled features (checked just above).
+            return (
+                |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, nb, dkb, dvb, sc) },
+                |x, bh, t0, dqb, sc| unsafe { q_avx2(x, bh, t0, dqb, sc) },
+            );
+        }
+        (|x, b, g, s0, nb, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc), |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// candle glue.
+
+struct FlashAttn {
+    scale: f64,
+    q_offset: usize,
+    /// log-sum-exp per query row saved by the forward (`[B, Hq, T]`, same dtype as q).
+    lse: Mutex<Option<CpuStorage>>,
+}
+
+fn fwd_typed<T: Float>(
+    op: &FlashAttn,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let d = dims_of(l1.dims(), l2.dims(), l3.dims())?;
+    let (q, k, v) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
+    let mut out = vec![T::ZERO; d.b * d.hq * d.t * d.dv];
+    let mut lse = vec![T::ZERO; d.b * d.hq * d.t];
+    flash_fwd(&d, op.scale, op.q_offset, q, k, v, &mut out, &mut lse);
+    *op.lse.lock().unwrap() = Some(T::to_cpu_storage_owned(lse));
+    Ok((T::to_cpu_storage_owned(out), Shape::from_dims(&[d.b, d.hq, d.t, d.dv])))
+}
+
+fn bwd_typed<T: Float>(
+    op: &FlashAttn,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    use crate::cpu::with_slice;
+    let d = dims_of(q.dims(), k.dims(), v.dims())?;
+    let mut dq = vec![T::ZERO; q.elem_count()];
+    let mut dk = vec![T::ZERO; k.elem_count()];
+    let mut dv = vec![T::ZERO; v.elem_count()];
+    let saved = op.lse.lock().unwrap().take();
+    with_slice::<T, _>(q, |qs| {
+        with_slice::<T, _>(k, |ks| {
+            with_slice::<T, _>(v, |vs| {
+                with_slice::<T, _>(out, |os| {
+                    with_slice::<T, _>(grad, |gs| {
+                        let recomputed;
+                        let lse: &[T] = match &saved {
+                            Some(st) => st.as_slice::<T>()?,
+                            None => {
+                                let mut o2 = vec![T::ZERO; os.len()];
+                                let mut l = vec![T::ZERO; d.b * d.hq * d.t];
+                                flash_fwd(&d, op.scale, op.q_offset, qs, ks, vs, &mut o2, &mut l);
+                                recomputed = l;
+                                &recomputed
+                            }
+                        };
+                        flash_bwd(&d, op.scale, op.q_offset, qs, ks, vs, os, gs, lse, &mut dq, &mut dk, &mut dv);
+                        Ok(())
+                    })
+                })
+            })
+        })
+    })?;
+    // Keep the saved lse for a possible second backward through the same graph.
+    *op.lse.lock().unwrap() = saved;
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, q.shape(), dev)?,
+        Tensor::from_vec(dk, k.shape(), dev)?,
+        Tensor::from_vec(dv, v.shape(), dev)?,
+    ))
+}
+
+impl CustomOp3 for FlashAttn {
+    fn name(&self) -> &'static str {
+        "difftx-flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match s1.dtype() {
+            DType::F32 => fwd_typed::<f32>(self, s1, l1, s2, l2, s3, l3),
+            DType::F64 => fwd_typed::<f64>(self, s1, l1, s2, l2, s3, l3),
+            dt => bail!("difftx-flash-attention: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad_res.to_dtype(q.dtype())?;
+        let (dq, dk, dv) = match q.dtype() {
+            DType::F32 => bwd_typed::<f32>(self, q, k, v, res, &grad)?,
+            DType::F64 => bwd_typed::<f64>(self, q, k, v, res, &grad)?,
+            dt => bail!("difftx-flash-attention: unsupported dtype {dt:?}"),
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// `bwd` without a saved log-sum-exp (recompute fallback) gives the same gradients.
+    #[test]
+    fn bwd_recomputes_missing_lse() -> Result<()> {
+        let dev = Device::Cpu;
+        let vals = |n: usize, s: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.7 + s).sin()).collect() };
+        let q = Tensor::from_vec(vals(2 * 4 * 9 * 5, 0.1), (2, 4, 9, 5), &dev)?;
+        let k = Tensor::from_vec(vals(2 * 2 * 9 * 5, 0.2), (2, 2, 9, 5), &dev)?;
+        let v = Tensor::from_vec(vals(2 * 2 * 9 * 3, 0.3), (2, 2, 9, 3), &dev)?;
+        let g = Tensor::from_vec(vals(2 * 4 * 9 * 3, 0.4), (2, 4, 9, 3), &dev)?;
+        let op = FlashAttn { scale: 0.4, q_offset: 0, lse: Mutex::new(None) };
+        let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+        assert!(op.lse.lock().unwrap().is_some());
+        let (a, b, c) = op.bwd(&q, &k, &v, &out, &g)?;
+        let op2 = FlashAttn { scale: 0.4, q_offset: 0, lse: Mutex::new(None) };
+        let (a2, b2, c2) = op2.bwd(&q, &k, &v, &out, &g)?;
+        for (x, y) in [(a, a2), (b, b2), (c, c2)] {
+            let d = (x.unwrap() - y.unwrap())?.abs()?.max_all()?.to_scalar::<f64>()?;
+            assert!(d < 1e-14, "diff {d}");
+        }
+        Ok(())
+    }
+}

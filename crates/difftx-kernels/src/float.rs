@@ -1,0 +1,166 @@
+//! Element types the kernels are generic over (f32, f64) and the few scalar helpers they need.
+//!
+//! `exp_inplace` is the hot transcendental: for f32 it is a branch-free polynomial (Cody-Waite
+//! range reduction + degree-7 Taylor, max relative error ~2e-7) that LLVM vectorises; for f64 it
+//! is the exact libm `exp` (f64 is only used for reference checks and finite differences).
+
+use candle_core::WithDType;
+
+pub(crate) trait Float: WithDType + Copy + Send + Sync + PartialOrd + 'static {
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INF: Self;
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn ln(self) -> Self;
+    fn maxf(self, o: Self) -> Self;
+    /// `xs[i] = exp(xs[i])`; `-inf` maps to exactly 0.
+    fn exp_inplace(xs: &mut [Self]);
+}
+
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INF: Self = f32::NEG_INFINITY;
+    #[inline(always)]
+    fn exp(self) -> Self {
+        fast_exp_f32(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    #[inline(always)]
+    fn maxf(self, o: Self) -> Self {
+        if o > self { o } else { self }
+    }
+    #[inline(always)]
+    fn exp_inplace(xs: &mut [Self]) {
+        for x in xs.iter_mut() {
+            *x = fast_exp_f32(*x);
+        }
+    }
+}
+
+impl Float for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INF: Self = f64::NEG_INFINITY;
+    #[inline(always)]
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    #[inline(always)]
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    #[inline(always)]
+    fn maxf(self, o: Self) -> Self {
+        if o > self { o } else { self }
+    }
+    #[inline(always)]
+    fn exp_inplace(xs: &mut [Self]) {
+        for x in xs.iter_mut() {
+            *x = f64::exp(*x);
+        }
+    }
+}
+
+/// Branch-free exp for f32. Inputs below -87 (including -inf) return 0, inputs above 88 saturate
+/// at exp(88); NaN stays NaN. Written with selects and integer bit tricks only (no calls, no
+/// saturating float->int casts) so loops over it vectorise.
+#[allow(clippy::manual_clamp)] // f32::clamp keeps NaN; maxnum/minnum map it to a finite value
+#[inline(always)]
+pub(crate) fn fast_exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer in the low bits
+    let xc = x.max(-87.0).min(88.0); // maxnum/minnum: NaN becomes -87 here, restored below
+    let t = xc * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32); // == n as i32
+    let r = (xc - n * LN2_HI) - n * LN2_LO; // |r| <= ~0.347
+    // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35).
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    // wrapping ops: overflow checks (dev/test profiles) would stop the loop from vectorising.
+    let scale = f32::from_bits((ni.wrapping_add(127) as u32).wrapping_shl(23));
+    let v = p * scale;
+    let v = if x < -87.0 { 0.0 } else { v };
+    if x.is_nan() { x } else { v }
+}
+
+/// Maximum of a slice (`-inf` when empty), over 8 lanes so it vectorises.
+#[inline(always)]
+pub(crate) fn max_slice<T: Float>(x: &[T], init: T) -> T {
+    let mut acc = [init; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for k in 0..8 {
+            acc[k] = acc[k].maxf(c[k]);
+        }
+    }
+    let mut m = init;
+    for &v in it.remainder() {
+        m = m.maxf(v);
+    }
+    for a in acc {
+        m = m.maxf(a);
+    }
+    m
+}
+
+/// Sum of a slice over 8 lanes.
+#[inline(always)]
+pub(crate) fn sum_slice<T: Float>(x: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for k in 0..8 {
+            acc[k] += c[k];
+        }
+    }
+    let mut s = T::ZERO;
+    for &v in it.remainder() {
+        s += v;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_libm() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let got = fast_exp_f32(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_37;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        assert_eq!(fast_exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fast_exp_f32(-1000.0), 0.0);
+        assert_eq!(fast_exp_f32(0.0), 1.0);
+        assert!(fast_exp_f32(f32::NAN).is_nan());
+    }
+}
