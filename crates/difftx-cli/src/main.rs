@@ -157,21 +157,22 @@ struct TrainArgs {
     /// Print a sample of this many tokens when training ends (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
-    /// Hot-op implementation: fused (default when built) or reference.
-    #[arg(long, default_value = "default")]
+    /// Hot-op implementation: fused (flash attention and fused norms/softmax with hand-written
+    /// backward) or reference (composed candle ops; slower, for checking).
+    #[arg(long, default_value = "fused")]
     kernels: KernelChoice,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum KernelChoice {
-    Default,
+    Fused,
     Reference,
 }
 
 impl KernelChoice {
     fn get(self) -> Kernels {
         match self {
-            KernelChoice::Default => Kernels::default(),
+            KernelChoice::Fused => Kernels::Fused,
             KernelChoice::Reference => Kernels::Reference,
         }
     }

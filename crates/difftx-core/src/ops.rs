@@ -9,13 +9,16 @@ use candle_core::{DType, Device, Result, Tensor, D};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Kernels {
     /// Composed candle ops (autograd through every primitive).
-    #[default]
     Reference,
+    /// difftx-kernels custom ops with their own backward (flash attention, softmax, RMSNorm).
+    #[default]
+    Fused,
 }
 
 /// Softmax over the last dimension.
 pub fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
     match kernels {
+        Kernels::Fused => difftx_kernels::softmax_last_dim(x),
         Kernels::Reference => {
             let max = x.max_keepdim(D::Minus1)?;
             let e = x.broadcast_sub(&max)?.exp()?;
@@ -27,6 +30,7 @@ pub fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
 /// RMSNorm over the last dimension with an optional gain, statistics in at least f32.
 pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -> Result<Tensor> {
     match kernels {
+        Kernels::Fused => difftx_kernels::rms_norm(x, gain, eps),
         Kernels::Reference => {
             let dtype = x.dtype();
             let xf = if dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
@@ -47,6 +51,7 @@ pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -
 /// Returns [B, Hq, T, dv].
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
     match kernels {
+        Kernels::Fused => difftx_kernels::flash_attention(q, k, v, scale, q_offset),
         Kernels::Reference => {
             let probs = attention_probs(q, k, scale, q_offset, kernels)?; // [B, Hq, T, S]
             let (b, hq, t, s) = probs.dims4()?;

@@ -403,3 +403,38 @@ fn quantisation_probes_change_logits_by_the_expected_amount() {
         assert!(errs[1] > 10.0 * errs[0] && errs[3] > 10.0 * errs[2], "{family}: {errs:?}");
     }
 }
+
+#[test]
+fn fused_kernels_equal_reference_path_forward_and_backward() {
+    use difftx_core::Kernels;
+    for (label, cfg) in variants() {
+        let weights = init_weights(&cfg, 21, DType::F32, &Device::Cpu).unwrap();
+        let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap())).collect();
+        let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let mut model = Model::from_weights(&cfg, &map).unwrap();
+        let ids = Tensor::new(vec![ids_for(&cfg, 19, 1), ids_for(&cfg, 19, 8)], &Device::Cpu).unwrap();
+        let targets = Tensor::new(vec![ids_for(&cfg, 19, 2), ids_for(&cfg, 19, 3)], &Device::Cpu).unwrap();
+        let mut results = Vec::new();
+        for kernels in [Kernels::Reference, Kernels::Fused] {
+            model.opts.kernels = kernels;
+            let logits = model.forward(&ids, None).unwrap();
+            let loss = Model::loss(&logits, &targets).unwrap();
+            let grads = loss.backward().unwrap();
+            let g: Vec<Vec<f32>> = vars
+                .iter()
+                .map(|(_, v)| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect();
+            results.push((logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), g));
+        }
+        let (r, f) = (&results[0], &results[1]);
+        let rel = |a: &[f32], b: &[f32]| {
+            let scale = a.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-6);
+            a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale
+        };
+        assert!(rel(&r.0, &f.0) < 1e-5, "{} {label}: logits differ by {}", cfg.family, rel(&r.0, &f.0));
+        for ((name, _), (gr, gf)) in vars.iter().zip(r.1.iter().zip(&f.1)) {
+            let e = rel(gr, gf);
+            assert!(e < 1e-4, "{} {label}: gradient of {name} differs by {e} (relative to its max)", cfg.family);
+        }
+    }
+}
