@@ -364,6 +364,11 @@ fn fwd_task_rows<T: Float>(
 
 /// Forward over all heads: fills `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`.
 pub(crate) fn flash_fwd<T: Float>(d: &Dims, scale: f64, q_offset: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+    flash_fwd_at(simd::BEST, d, scale, q_offset, q, k, v, out, lse)
+}
+
+/// `flash_fwd` with the instruction-set level capped at `isa` (see `simd::BEST`).
+fn flash_fwd_at<T: Float>(isa: u8, d: &Dims, scale: f64, q_offset: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
     if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
         return;
     }
@@ -376,7 +381,7 @@ pub(crate) fn flash_fwd<T: Float>(d: &Dims, scale: f64, q_offset: usize, q: &[T]
         }
     }
     tasks.reverse(); // heaviest (latest) query blocks first
-    let kernel = simd::pick_fwd::<T>();
+    let kernel = simd::pick_fwd::<T>(isa);
     tasks.into_par_iter().for_each_init(
         || Scratch::new(d),
         |sc, (bh, t0, o, l)| {
@@ -497,6 +502,25 @@ pub(crate) fn flash_bwd<T: Float>(
     dk: &mut [T],
     dv: &mut [T],
 ) {
+    flash_bwd_at(simd::BEST, d, scale, q_offset, q, k, v, out, dout, lse, dq, dk, dv)
+}
+
+/// `flash_bwd` with the instruction-set level capped at `isa` (see `simd::BEST`).
+fn flash_bwd_at<T: Float>(
+    isa: u8,
+    d: &Dims,
+    scale: f64,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    dout: &[T],
+    lse: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
     dq.fill(T::ZERO);
     dk.fill(T::ZERO);
     dv.fill(T::ZERO);
@@ -511,7 +535,7 @@ pub(crate) fn flash_bwd<T: Float>(
         .with_min_len(256)
         .for_each(|(o, (a, b))| *o = dot(a, b));
     let x = BwdIn { d: *d, scale: T::from_f64(scale), q_offset, q, k, v, dout, lse, delta: &delta };
-    let (kv_kernel, q_kernel) = simd::pick_bwd::<T>();
+    let (kv_kernel, q_kernel) = simd::pick_bwd::<T>(isa);
     if d.dk > 0 {
         // pass 2 first or second does not matter; dq
         let rows_per = if d.t <= BR { d.t } else { BR };
@@ -586,23 +610,26 @@ mod simd {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
     }
 
-    pub(super) fn pick_fwd<T: Float>() -> FwdFn<T> {
+    /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. `max` caps the choice (tests).
+    pub(super) const BEST: u8 = 2;
+
+    pub(super) fn pick_fwd<T: Float>(max: u8) -> FwdFn<T> {
         #[cfg(target_arch = "x86_64")]
-        if has_avx512() {
+        if max >= 2 && has_avx512() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) };
         }
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
+        if max >= 1 && has_avx2() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) };
         }
         |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
     }
 
-    pub(super) fn pick_bwd<T: Float>() -> (KvFn<T>, QFn<T>) {
+    pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>) {
         #[cfg(target_arch = "x86_64")]
-        if has_avx512() {
+        if max >= 2 && has_avx512() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx512(x, b, g, s0, nb, dkb, dvb, sc) },
@@ -610,7 +637,7 @@ mod simd {
             );
         }
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
+        if max >= 1 && has_avx2() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, nb, dkb, dvb, sc) },
@@ -760,5 +787,34 @@ mod tests {
             assert!(d < 1e-14, "diff {d}");
         }
         Ok(())
+    }
+
+    /// Every instruction-set variant (baseline, AVX2, AVX-512) computes the same thing; the
+    /// public path only ever runs the best one the CPU has.
+    #[test]
+    fn all_isa_variants_agree() {
+        let d = Dims { b: 1, hq: 4, hk: 2, t: 150, s: 170, dk: 12, dv: 20 };
+        let off = 20;
+        let gen = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect() };
+        let q = gen(d.b * d.hq * d.t * d.dk, 0.1);
+        let k = gen(d.b * d.hk * d.s * d.dk, 0.2);
+        let v = gen(d.b * d.hk * d.s * d.dv, 0.3);
+        let g = gen(d.b * d.hq * d.t * d.dv, 0.4);
+        let run = |isa: u8| {
+            let mut out = vec![0f32; g.len()];
+            let mut lse = vec![0f32; d.b * d.hq * d.t];
+            flash_fwd_at(isa, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+            flash_bwd_at(isa, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
+            [out, lse, dq, dk, dv]
+        };
+        let base = run(0);
+        for isa in 1..=simd::BEST {
+            for (a, b) in run(isa).iter().zip(&base) {
+                let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(diff <= 1e-5 * scale, "isa {isa}: diff {diff} (scale {scale})");
+            }
+        }
     }
 }
