@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
 use difftx_core::generate::{generate, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
-use difftx_core::{Family, Kernels, ModelConfig};
+use difftx_core::{Family, Kernels, ModelConfig, WeightFormat};
 use difftx_train::data::{load_texts, TokenDataset};
 use difftx_train::optim::{AdamWParams, Decay};
 use difftx_train::trainer::{self, RunControl, TrainOptions};
@@ -196,6 +196,9 @@ struct GenerateArgs {
     top_p: Option<f64>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Weight format of the linear layers: f32, q8_0 (8-bit) or q4k (4-bit).
+    #[arg(long, default_value = "f32")]
+    weights: WeightFormat,
 }
 
 #[derive(Args)]
@@ -215,6 +218,9 @@ struct EvalArgs {
     /// At most this many batches.
     #[arg(long, default_value_t = 50)]
     max_batches: usize,
+    /// Weight format of the linear layers: f32, q8_0 (8-bit) or q4k (4-bit).
+    #[arg(long, default_value = "f32")]
+    weights: WeightFormat,
 }
 
 #[derive(Args)]
@@ -403,9 +409,19 @@ fn stream_generate(model: &difftx_core::Model, tok: &Tokenizer, prompt: &str, n:
     Ok(())
 }
 
+/// Loads a model for inference with its linear layers in `weights` format.
+fn load_for_inference(dir: &Path, weights: WeightFormat) -> Result<difftx_core::Model> {
+    let mut model = checkpoint::load_runnable(dir, &Device::Cpu)?;
+    if weights != WeightFormat::F32 {
+        let used = model.quantize_weights(weights)?;
+        eprintln!("quantised linear layers: {used:?}");
+    }
+    Ok(model)
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let dir = checkpoint::resolve_model_dir(&a.model)?;
-    let model = checkpoint::load_runnable(&dir, &Device::Cpu)?;
+    let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let params = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
     stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params)?;
@@ -415,7 +431,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
 
 fn cmd_eval(a: EvalArgs) -> Result<()> {
     let dir = checkpoint::resolve_model_dir(&a.model)?;
-    let model = checkpoint::load_runnable(&dir, &Device::Cpu)?;
+    let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let seq_len = a.seq_len.unwrap_or(model.config().max_seq_len);
     if seq_len > model.config().max_seq_len {
@@ -438,7 +454,7 @@ fn cmd_eval(a: EvalArgs) -> Result<()> {
     let bytes_per_token = bytes as f64 / tokens.len() as f64;
     let bpb = loss / std::f64::consts::LN_2 / bytes_per_token;
     let report = serde_json::json!({
-        "model": dir, "data": a.data, "tokens_evaluated": evaluated, "loss": loss,
+        "model": dir, "data": a.data, "weights": format!("{:?}", a.weights), "tokens_evaluated": evaluated, "loss": loss,
         "perplexity": loss.exp(), "bits_per_byte": bpb, "bytes_per_token": bytes_per_token,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -14,5 +14,5 @@ pub mod ops;
 pub mod tokenizer;
 
 pub use config::{Family, HeadPairing, ModelConfig, RopeStyle};
-pub use model::{KvCache, Model, Probe, RunOptions};
+pub use model::{KvCache, Model, Probe, RunOptions, WeightFormat};
 pub use ops::Kernels;

@@ -184,11 +184,71 @@ pub struct RunOptions {
     pub act_bits: Option<u32>,
 }
 
+/// Storage of the linear layers' weights for inference (training always uses f32 tensors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    /// 8-bit, blocks of 32 (ggml Q8_0).
+    Q8_0,
+    /// 4-bit k-quant, blocks of 256 (ggml Q4K); layers whose input width is not a multiple of
+    /// 256 fall back to Q4_0 (4-bit, blocks of 32).
+    Q4K,
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(WeightFormat::F32),
+            "q8_0" | "q8" | "int8" => Ok(WeightFormat::Q8_0),
+            "q4k" | "q4_k" | "int4" => Ok(WeightFormat::Q4K),
+            _ => Err(format!("unknown weight format '{s}' (expected f32, q8_0 or q4k)")),
+        }
+    }
+}
+
+/// A bias-free linear layer: f32 weight [out, in], optionally a quantised copy used instead.
+#[derive(Clone)]
+struct Linear {
+    w: Tensor,
+    quantized: Option<candle_core::quantized::QMatMul>,
+}
+
+impl Linear {
+    fn new(w: Tensor) -> Self {
+        Linear { w, quantized: None }
+    }
+
+    /// Replaces the weight by a quantised copy; returns the ggml type used.
+    fn quantize(&mut self, format: WeightFormat) -> Result<Option<candle_core::quantized::GgmlDType>> {
+        use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+        let in_dim = self.w.dim(1)?;
+        let dtype = match format {
+            WeightFormat::F32 => {
+                self.quantized = None;
+                return Ok(None);
+            }
+            WeightFormat::Q8_0 if in_dim % 32 == 0 => GgmlDType::Q8_0,
+            WeightFormat::Q4K if in_dim % 256 == 0 => GgmlDType::Q4K,
+            WeightFormat::Q4K if in_dim % 32 == 0 => GgmlDType::Q4_0,
+            _ => candle_core::bail!("cannot quantise a layer of input width {in_dim} to {format:?}: needs a multiple of 32"),
+        };
+        let q = QTensor::quantize(&self.w.to_dtype(DType::F32)?, dtype)?;
+        self.quantized = Some(QMatMul::from_qtensor(q)?);
+        Ok(Some(dtype))
+    }
+}
+
 /// x: [N, in] times w: [out, in] -> [N, out] (PyTorch's Linear layout, no bias).
-fn linear(x: &Tensor, w: &Tensor, opts: &RunOptions) -> Result<Tensor> {
-    match opts.act_bits {
-        Some(bits) => ops::fake_quant_absmax(x, bits)?.matmul(&w.t()?),
-        None => x.matmul(&w.t()?),
+fn linear(x: &Tensor, w: &Linear, opts: &RunOptions) -> Result<Tensor> {
+    use candle_core::Module;
+    let x = match opts.act_bits {
+        Some(bits) => ops::fake_quant_absmax(x, bits)?,
+        None => x.clone(),
+    };
+    match &w.quantized {
+        Some(q) => q.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype()),
+        None => x.matmul(&w.w.t()?),
     }
 }
 
@@ -240,15 +300,15 @@ enum AttnKind {
         lambda_init: f64,
     },
     DiffV2 {
-        lambda_proj: Tensor,
+        lambda_proj: Linear,
     },
 }
 
 struct Attention {
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     kind: AttnKind,
     n_q: usize,
     n_kv: usize,
@@ -271,13 +331,15 @@ impl Attention {
                 subln: if cfg.subln_affine { Some(w.get(&format!("{p}.subln.weight"), &[2 * d])?) } else { None },
                 lambda_init: ModelConfig::lambda_init(layer),
             },
-            Family::DiffV2 => AttnKind::DiffV2 { lambda_proj: w.get(&format!("{p}.lambda_proj.weight"), &[cfg.n_heads, dm])? },
+            Family::DiffV2 => {
+                AttnKind::DiffV2 { lambda_proj: Linear::new(w.get(&format!("{p}.lambda_proj.weight"), &[cfg.n_heads, dm])?) }
+            }
         };
         Ok(Attention {
-            q_proj: w.get(&format!("{p}.q_proj.weight"), &[n_q * d, dm])?,
-            k_proj: w.get(&format!("{p}.k_proj.weight"), &[n_kv * d, dm])?,
-            v_proj: w.get(&format!("{p}.v_proj.weight"), &[n_kv * d, dm])?,
-            o_proj: w.get(&format!("{p}.o_proj.weight"), &[dm, o_in])?,
+            q_proj: Linear::new(w.get(&format!("{p}.q_proj.weight"), &[n_q * d, dm])?),
+            k_proj: Linear::new(w.get(&format!("{p}.k_proj.weight"), &[n_kv * d, dm])?),
+            v_proj: Linear::new(w.get(&format!("{p}.v_proj.weight"), &[n_kv * d, dm])?),
+            o_proj: Linear::new(w.get(&format!("{p}.o_proj.weight"), &[dm, o_in])?),
             kind,
             n_q,
             n_kv,
@@ -404,9 +466,9 @@ fn split_pairs(x: &Tensor, pairing: crate::config::HeadPairing) -> Result<(Tenso
 }
 
 struct Mlp {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 impl Mlp {
@@ -429,7 +491,7 @@ pub struct Model {
     embed: Tensor,
     blocks: Vec<Block>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Linear,
     rope: Rope,
     /// Kernels and quantisation probes used by every forward pass.
     pub opts: RunOptions,
@@ -451,13 +513,13 @@ impl Model {
                 attn: Attention::load(&w, cfg, l)?,
                 post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[dm])?,
                 mlp: Mlp {
-                    gate: w.get(&format!("{p}.mlp.gate_proj.weight"), &[cfg.d_ff, dm])?,
-                    up: w.get(&format!("{p}.mlp.up_proj.weight"), &[cfg.d_ff, dm])?,
-                    down: w.get(&format!("{p}.mlp.down_proj.weight"), &[dm, cfg.d_ff])?,
+                    gate: Linear::new(w.get(&format!("{p}.mlp.gate_proj.weight"), &[cfg.d_ff, dm])?),
+                    up: Linear::new(w.get(&format!("{p}.mlp.up_proj.weight"), &[cfg.d_ff, dm])?),
+                    down: Linear::new(w.get(&format!("{p}.mlp.down_proj.weight"), &[dm, cfg.d_ff])?),
                 },
             });
         }
-        let lm_head = if cfg.tie_embeddings { embed.clone() } else { w.get("lm_head.weight", &[cfg.vocab_size, dm])? };
+        let lm_head = Linear::new(if cfg.tie_embeddings { embed.clone() } else { w.get("lm_head.weight", &[cfg.vocab_size, dm])? });
         Ok(Model {
             cfg: cfg.clone(),
             norm: w.get("model.norm.weight", &[dm])?,
@@ -546,6 +608,30 @@ impl Model {
         let logits = logits.reshape((b * t, v))?;
         let logits = if logits.dtype() == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// Quantises every linear layer (projections, SwiGLU, LM head) for inference; the embedding
+    /// and the norms stay f32. Returns a count of layers per ggml type used. Not for training:
+    /// quantised layers have no gradient.
+    pub fn quantize_weights(&mut self, format: WeightFormat) -> Result<std::collections::BTreeMap<String, usize>> {
+        let mut used = std::collections::BTreeMap::new();
+        let mut layers: Vec<&mut Linear> = vec![&mut self.lm_head];
+        for b in self.blocks.iter_mut() {
+            let a = &mut b.attn;
+            layers.extend([&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj]);
+            if let AttnKind::DiffV2 { lambda_proj } = &mut a.kind {
+                layers.push(lambda_proj);
+            }
+            layers.extend([&mut b.mlp.gate, &mut b.mlp.up, &mut b.mlp.down]);
+        }
+        for l in layers {
+            let name = match l.quantize(format)? {
+                Some(t) => format!("{t:?}"),
+                None => "F32".to_string(),
+            };
+            *used.entry(name).or_insert(0) += 1;
+        }
+        Ok(used)
     }
 
     /// The current lambda of each layer: diff-v1 only (diff-v2's lambda depends on the token).

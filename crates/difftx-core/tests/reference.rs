@@ -438,3 +438,40 @@ fn fused_kernels_equal_reference_path_forward_and_backward() {
         }
     }
 }
+
+#[test]
+fn quantized_weights_stay_close_to_f32() {
+    use difftx_core::WeightFormat;
+    let mut cfg = small_config(Family::DiffV1);
+    cfg.d_model = 256;
+    cfg.d_ff = 512;
+    cfg.n_heads = 8;
+    cfg.n_kv_heads = 8;
+    cfg.init_std = 0.05;
+    let map: HashMap<_, _> = init_weights(&cfg, 4, DType::F32, &Device::Cpu).unwrap().into_iter().collect();
+    let ids = vec![ids_for(&cfg, 12, 3)];
+    let exact = model_logits(&Model::from_weights(&cfg, &map).unwrap(), &ids).remove(0);
+    let spread = exact.iter().flatten().map(|x| x.abs()).fold(0.0, f64::max);
+    let mut errs = Vec::new();
+    for (format, want_type) in [(WeightFormat::Q8_0, "Q8_0"), (WeightFormat::Q4K, "Q4K")] {
+        let mut model = Model::from_weights(&cfg, &map).unwrap();
+        let used = model.quantize_weights(format).unwrap();
+        assert!(used.contains_key(want_type), "{used:?}");
+        let got = model_logits(&model, &ids).remove(0);
+        errs.push(max_abs_diff(&got, &exact) / spread);
+        // Cached decoding agrees with the full pass on the quantised model. Not bit-exact: candle's
+        // quantised matmul takes a different path (activations quantised per block) for a
+        // single row than for many rows, so allow the quantisation noise of this format.
+        let mut cache = KvCache::new(&cfg);
+        let t = Tensor::new(&ids[0][..6], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        model.forward(&t, Some(&mut cache)).unwrap();
+        let t = Tensor::new(&ids[0][6..7], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let step = model.forward(&t, Some(&mut cache)).unwrap().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let d = step.iter().zip(&got[6]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let noise = max_abs_diff(&got, &exact);
+        assert!(d <= 2.0 * noise, "{format:?}: cached step differs by {d} (quantisation error {noise}, spread {spread})");
+    }
+    // 8-bit is close; 4-bit is further off but still the same function.
+    // (A wrong layout or scale gives errors of order 1.)
+    assert!(errs[0] < 0.06 && errs[1] < 0.6 && errs[1] > errs[0], "relative errors {errs:?}");
+}
