@@ -32,7 +32,7 @@ enum Command {
     Generate(GenerateArgs),
     /// Validation loss, perplexity and bits per byte of a model on a text.
     Eval(EvalArgs),
-    /// Dump logits for token ids: IN holds an int64 `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V].
+    /// Dump logits for token ids: IN holds an integer `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V] (and the ids).
     Logits(LogitsArgs),
     /// Write a model as a Hugging Face folder: diff-v1 as DiffLlama, baseline as Llama.
     Export(ExportArgs),
@@ -478,7 +478,8 @@ fn cmd_logits(a: LogitsArgs) -> Result<()> {
     }
     let ids = Tensor::from_vec(vals.iter().map(|&v| v as u32).collect::<Vec<_>>(), ids.dims(), &Device::Cpu)?;
     let logits = model.forward(&ids, None)?.to_dtype(DType::F32)?;
-    let bytes = checkpoint::safetensors_bytes(&[("logits".to_string(), logits)])?;
+    // The ids travel with the logits so the file is self-describing (scripts/export_roundtrip.py).
+    let bytes = checkpoint::safetensors_bytes(&[("logits".to_string(), logits), ("input_ids".to_string(), as_i64)])?;
     checkpoint::write_atomic(&a.out, &bytes)?;
     eprintln!("wrote logits {:?} to {}", [ids.dim(0)?, ids.dim(1)?, vocab as usize], a.out.display());
     Ok(())
