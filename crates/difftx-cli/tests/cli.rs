@@ -316,3 +316,25 @@ fn tiny_preset_learns_the_bundled_corpus_for_every_family() {
         assert!(last <= 0.6 * first, "{family}: validation loss only went from {first} to {last}\n{stdout}");
     }
 }
+
+#[test]
+fn bpe_tokenizer_trains_and_serves_training_and_generation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = small_text(tmp.path());
+    let tok = tmp.path().join("tokenizer.json");
+    let out = ok(&["tokenizer", "train", "--vocab", "300", "--out", tok.to_str().unwrap(), data.to_str().unwrap()]);
+    assert!(out.contains("wrote"), "{out}");
+    let cfg = micro_config(tmp.path(), "diff-v1");
+    let run_dir = tmp.path().join("run");
+    let mut args = train_args(cfg.to_str().unwrap(), data.to_str().unwrap(), run_dir.to_str().unwrap(), "diff-v1");
+    args[10] = "3";
+    args.extend(["--tokenizer", tok.to_str().unwrap()]);
+    ok(&args);
+    // The model's vocabulary follows the tokenizer, and the tokenizer travels with the checkpoint.
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model"]["vocab_size"], 300);
+    assert!(run_dir.join("checkpoint/tokenizer.json").is_file());
+    let text = ok(&["generate", "--model", run_dir.to_str().unwrap(), "--prompt", "KING", "--max-new-tokens", "8"]);
+    assert!(text.starts_with("KING"), "{text}");
+}

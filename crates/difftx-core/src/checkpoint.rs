@@ -149,3 +149,47 @@ pub fn load_runnable(dir: &Path, device: &Device) -> Result<crate::model::Model>
     crate::model::Model::from_weights(&cfg, &weights)
         .with_context(|| format!("{}: weights do not fit the config", dir.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Family;
+
+    #[test]
+    fn save_load_round_trip_is_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        for family in Family::ALL {
+            let mut cfg = ModelConfig::preset("tiny", family).unwrap();
+            cfg.n_layers = 2;
+            cfg.tie_embeddings = family == Family::DiffV2;
+            let weights = crate::model::init_weights(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+            let path = dir.path().join(family.as_str());
+            save_model(&path, &cfg, &weights).unwrap();
+            let (cfg2, loaded) = load_model(&path, DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(cfg, cfg2);
+            assert_eq!(loaded.len(), weights.len());
+            for (name, t) in &weights {
+                let diff = (t - &loaded[name]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert_eq!(diff, 0.0, "{family} {name}");
+            }
+            // No temporary files are left behind.
+            let names: Vec<String> =
+                std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+        }
+    }
+
+    #[test]
+    fn run_folder_falls_back_to_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ModelConfig::preset("tiny", Family::DiffV1).unwrap();
+        let weights = crate::model::init_weights(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        // A kill between the two renames of a checkpoint swap leaves only checkpoint.old.
+        save_model(&dir.path().join(RUN_CHECKPOINT_OLD), &cfg, &weights).unwrap();
+        assert_eq!(resolve_model_dir(dir.path()).unwrap(), dir.path().join(RUN_CHECKPOINT_OLD));
+        save_model(&dir.path().join(RUN_CHECKPOINT), &cfg, &weights).unwrap();
+        assert_eq!(resolve_model_dir(dir.path()).unwrap(), dir.path().join(RUN_CHECKPOINT));
+        let err = resolve_model_dir(&dir.path().join("nope")).unwrap_err().to_string();
+        assert!(err.contains("does not exist"), "{err}");
+    }
+}
