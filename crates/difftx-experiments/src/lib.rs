@@ -5,3 +5,4 @@
 pub mod plot;
 pub mod common;
 pub mod seed_demo;
+pub mod outliers;
