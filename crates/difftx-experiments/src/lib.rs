@@ -6,3 +6,4 @@ pub mod plot;
 pub mod common;
 pub mod seed_demo;
 pub mod outliers;
+pub mod quantize;
