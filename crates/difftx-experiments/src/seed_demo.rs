@@ -424,7 +424,7 @@ fn plot_demo(r: &DemoReport, path: &Path) -> Result<()> {
         ("Signal-to-noise ratio (x) and peak/median |out|", [(r.std_snr, r.std_peak_median_ratio), (r.diff_snr, r.diff_peak_median_ratio)], &right),
     ];
     for (pi, (title, vals, area)) in panels.iter().enumerate() {
-        let ymax = vals.iter().flat_map(|(a, b)| [*a, *b]).fold(0.0f64, f64::max).max(1e-9) * 1.15;
+        let ymax = vals.iter().flat_map(|(a, b)| [*a, *b]).fold(0.0f64, f64::max).max(1e-9) * 1.35;
         let ymin = vals.iter().flat_map(|(a, b)| [*a, *b]).fold(0.0f64, f64::min).min(0.0);
         let mut chart = ChartBuilder::on(area)
             .caption(*title, ("sans-serif", 16))
@@ -460,7 +460,7 @@ fn plot_demo(r: &DemoReport, path: &Path) -> Result<()> {
             chart
                 .draw_series(std::iter::once(Text::new(
                     names[gi].to_string(),
-                    (gi as f64 + 0.35, ymin + (ymax - ymin) * 0.9),
+                    (gi as f64 + 0.35, ymin + (ymax - ymin) * 0.96),
                     ("sans-serif", 14).into_font(),
                 )))
                 .map_err(plot_err(path))?;
