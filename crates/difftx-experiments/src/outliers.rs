@@ -204,7 +204,7 @@ fn causal_abs(logits: &Tensor) -> Result<Vec<f32>> {
     let (b, m, t, s) = logits.dims4()?;
     let data = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let offset = s - t;
-    let mut out = Vec::with_capacity(b * m * t * (offset + (t + 1) / 2 + 1));
+    let mut out = Vec::with_capacity(b * m * t * (offset + t.div_ceil(2) + 1));
     for bm in 0..b * m {
         for ti in 0..t {
             let row = &data[(bm * t + ti) * s..][..s];

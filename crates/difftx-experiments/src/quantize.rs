@@ -65,7 +65,7 @@ fn check_bits(b: u32, what: &str) -> Result<()> {
 /// scaled so its largest |value| maps to 2^(bits-1) - 1, rounded (half away from zero), scaled back.
 pub fn quantize_matrix(data: &mut [f32], cols: usize, group: Option<usize>, bits: u32) -> Result<()> {
     check_bits(bits, "weight")?;
-    if cols == 0 || data.len() % cols != 0 {
+    if cols == 0 || !data.len().is_multiple_of(cols) {
         bail!("matrix of {} values does not have rows of {cols}", data.len());
     }
     let g = match group {

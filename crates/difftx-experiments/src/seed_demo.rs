@@ -174,9 +174,9 @@ pub fn synthetic_qkv(seed: u32) -> (Qkv4, Qkv4, Qkv4) {
     for bi in 0..b {
         for hi in 0..h {
             for ni in 0..n {
-                for d in 0..d_k {
+                for (d, c) in common.iter().enumerate() {
                     let i = k.idx(bi, hi, ni, d);
-                    k.data[i] += common[d];
+                    k.data[i] += c;
                 }
                 for d in d_k..d_head {
                     let i = k.idx(bi, hi, ni, d);
@@ -415,7 +415,7 @@ fn plot_demo(r: &DemoReport, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (1000, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err(path))?;
     let (left, right) = root.split_horizontally(500);
-    let panels: [(&str, [(f64, f64); 2], &DrawingArea<BitMapBackend, plotters::coord::Shift>); 2] = [
+    let panels = [
         (
             "Attention weight of query (target vs avg noise)",
             [(r.std_target_weight, r.std_avg_noise_weight), (r.diff_target_weight, r.diff_avg_noise_weight)],

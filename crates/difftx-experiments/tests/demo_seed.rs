@@ -56,6 +56,7 @@ fn write_npz(path: &std::path::Path, arrays: &[(&str, candle_core::Tensor)]) {
 }
 
 #[test]
+#[allow(clippy::type_complexity)]
 fn bad_npz_gives_clear_errors() {
     use candle_core::{DType, Device, Tensor};
     let dir = tempfile::tempdir().unwrap();
