@@ -3,3 +3,7 @@
 //! trains parameter-matched families and reports on them. Uses only the public APIs of difftx-core
 //! and difftx-train; writes JSON and PNG files, never touches model internals.
 pub mod plot;
+pub mod common;
+pub mod seed_demo;
+pub mod outliers;
+pub mod quantize;
