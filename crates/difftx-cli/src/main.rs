@@ -14,6 +14,8 @@ use difftx_train::trainer::{self, RunControl, TrainOptions};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
+mod analyze;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -38,6 +40,12 @@ enum Command {
     Export(ExportArgs),
     /// Show a config's shapes and parameter counts for all three families side by side.
     Info(InfoArgs),
+    /// The source article's check: SNR and outliers of standard vs differential attention on
+    /// synthetic Q, K, V (or Q, K, V from a .npz).
+    Demo(analyze::DemoArgs),
+    /// Run one of the paper's instruments on a model; writes JSON and a PNG.
+    #[command(subcommand)]
+    Analyze(analyze::Instrument),
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
@@ -270,6 +278,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => cmd_logits(a),
         Command::Info(a) => cmd_info(a),
         Command::Export(a) => cmd_export(a),
+        Command::Demo(a) => analyze::cmd_demo(a),
+        Command::Analyze(what) => analyze::cmd_analyze(what),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
             let files = if files.is_empty() { vec![default_data()?] } else { files };
             difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
