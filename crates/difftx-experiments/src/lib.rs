@@ -3,3 +3,5 @@
 //! trains parameter-matched families and reports on them. Uses only the public APIs of difftx-core
 //! and difftx-train; writes JSON and PNG files, never touches model internals.
 pub mod plot;
+pub mod mixture;
+pub mod stats;
