@@ -5,3 +5,4 @@
 pub mod plot;
 pub mod mixture;
 pub mod stats;
+pub mod needle;
