@@ -6,3 +6,4 @@ pub mod plot;
 pub mod mixture;
 pub mod stats;
 pub mod needle;
+pub mod attention;
