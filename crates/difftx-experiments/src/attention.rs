@@ -215,17 +215,14 @@ pub(crate) fn draw_bars(path: &Path, title: &str, series: &[(String, Vec<(f64, f
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(56)
-        .build_cartesian_2d(0f64..nd as f64, ymin..ymax)
+        .build_cartesian_2d(-0.5f64..nd as f64 - 0.5, ymin..ymax)
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     let d2 = depths.clone();
     chart
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(nd + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if (x - i as f64 - 0.5).abs() < 0.26 { d2.get(i).map(|d| format!("depth {d:.0}%")).unwrap_or_default() } else { String::new() }
-        })
+        .x_label_formatter(&|x| crate::needle::seg_label(x, &d2.iter().map(|d| format!("{d:.0}%")).collect::<Vec<_>>()))
         .x_desc("needle depth")
         .y_desc("attention mass (mean over heads, layers)")
         .label_style(("sans-serif", 12))
@@ -236,7 +233,7 @@ pub(crate) fn draw_bars(path: &Path, title: &str, series: &[(String, Vec<(f64, f
         let c = Palette99::pick(si).to_rgba();
         let light = RGBAColor(c.0, c.1, c.2, 0.35);
         for (di, &(_, a, n)) in vals.iter().enumerate() {
-            let x0 = di as f64 + 0.1 + (2 * si) as f64 * w;
+            let x0 = di as f64 - 0.4 + (2 * si) as f64 * w;
             chart.draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (x0 + w, a)], c.filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
             chart.draw_series(std::iter::once(Rectangle::new([(x0 + w, 0.0), (x0 + 2.0 * w, n)], light.filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
         }

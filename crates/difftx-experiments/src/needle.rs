@@ -270,12 +270,21 @@ pub(crate) fn color(v: f64, lo: f64, hi: f64) -> RGBColor {
     }
 }
 
+/// Tick label at integer positions (cell centres), empty elsewhere.
+pub(crate) fn seg_label(v: &f64, names: &[String]) -> String {
+    if (v - v.round()).abs() < 1e-6 && *v >= 0.0 {
+        names.get(v.round() as usize).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
 /// Draws panels side by side (wrapping after 4) with value labels when cells are large enough.
 pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64, hi: f64) -> Result<()> {
     crate::plot::init_fonts();
     let per_row = panels.len().clamp(1, 4);
     let n_rows = panels.len().div_ceil(per_row).max(1);
-    let (pw, ph) = (360u32, 320u32);
+    let (pw, ph) = if panels.len() == 1 { (760u32, 720u32) } else { (400u32, 340u32) };
     let root = BitMapBackend::new(path, (pw * per_row as u32, ph * n_rows as u32 + 40)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     root.draw_text(title, &("sans-serif", 18).into_font().color(&BLACK), (10, 10)).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
@@ -289,7 +298,7 @@ pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64,
             .margin(8)
             .x_label_area_size(30)
             .y_label_area_size(50)
-            .build_cartesian_2d(0..nc, 0..nr)
+            .build_cartesian_2d(-0.5f64..nc as f64 - 0.5, -0.5f64..nr as f64 - 0.5)
             .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
         let cols = p.cols.clone();
         let rows = p.rows.clone();
@@ -297,10 +306,10 @@ pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64,
         chart
             .configure_mesh()
             .disable_mesh()
-            .x_labels(nc.min(12))
-            .y_labels(nr.min(12))
-            .x_label_formatter(&|i| cols.get(*i).cloned().unwrap_or_default())
-            .y_label_formatter(&|i| rows.get(*i).cloned().unwrap_or_default())
+            .x_labels(if nc <= 12 { nc + 1 } else { 12 })
+            .y_labels(if nr <= 12 { nr + 1 } else { 12 })
+            .x_label_formatter(&|i| seg_label(i, &cols))
+            .y_label_formatter(&|i| seg_label(i, &rows))
             .label_style(("sans-serif", 11))
             .draw()
             .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
@@ -311,12 +320,12 @@ pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64,
                     _ => RGBColor(200, 200, 200),
                 };
                 chart
-                    .draw_series(std::iter::once(Rectangle::new([(ci, ri), (ci + 1, ri + 1)], c.filled())))
+                    .draw_series(std::iter::once(Rectangle::new([(ci as f64 - 0.5, ri as f64 - 0.5), (ci as f64 + 0.5, ri as f64 + 0.5)], c.filled())))
                     .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
                 if big {
                     if let Some(x) = v {
-                        let (px, py) = chart.backend_coord(&(ci, ri + 1));
-                        let (qx, qy) = chart.backend_coord(&(ci + 1, ri));
+                        let (px, py) = chart.backend_coord(&(ci as f64 - 0.5, ri as f64 + 0.5));
+                        let (qx, qy) = chart.backend_coord(&(ci as f64 + 0.5, ri as f64 - 0.5));
                         a.draw_text(
                             &format!("{x:.2}"),
                             &("sans-serif", 11).into_font().color(&BLACK),
