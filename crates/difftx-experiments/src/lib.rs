@@ -7,3 +7,4 @@ pub mod mixture;
 pub mod stats;
 pub mod needle;
 pub mod attention;
+pub mod icl;
