@@ -8,3 +8,4 @@ pub mod stats;
 pub mod needle;
 pub mod attention;
 pub mod icl;
+pub mod compare;
