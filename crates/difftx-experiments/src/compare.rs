@@ -86,10 +86,12 @@ pub struct CompareOptions {
     pub extra_instruments: Vec<ExtraInstrument>,
 }
 
-/// Default steps per model: sized so 3 families × 3 seeds train in about 12 minutes on 2 cores
-/// with the tiny preset (batch 8 × 256 tokens; ~3k tokens/s measured for the tiny preset, diff
-/// models somewhat slower), leaving about 3 minutes for the instruments.
-pub const DEFAULT_STEPS: usize = 110;
+/// Default steps per model: sized so 3 families × 3 seeds train in about 12 minutes on 2 idle
+/// cores with the tiny preset: 90 steps × 8 × 256 tokens = 184k tokens per model, 1.66M in all;
+/// the tiny baseline trains at ~3k tokens/s on 2 idle cores, and the diff families measured at
+/// 60–70% of the baseline's speed (quick-run metrics.jsonl), so about 10–12 minutes of training
+/// plus 1–3 minutes of instruments. On a loaded machine it takes proportionally longer.
+pub const DEFAULT_STEPS: usize = 90;
 
 impl Default for CompareOptions {
     fn default() -> Self {
@@ -177,8 +179,8 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let start = Instant::now();
     let quick = opts.quick;
     let seeds = if quick { 2 } else { opts.seeds };
-    let budget = if quick { Budget::Steps(8) } else { opts.budget };
-    let (seq_len, batch) = if quick { (128, 4) } else { (opts.seq_len, opts.batch_size) };
+    let budget = if quick { Budget::Steps(4) } else { opts.budget };
+    let (seq_len, batch) = if quick { (128, 2) } else { (opts.seq_len, opts.batch_size) };
     if seeds == 0 {
         bail!("compare: --seeds must be at least 1");
     }
@@ -206,7 +208,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     // Data: one mixture, one dataset, shared by every run.
     let text = read_corpus(opts.data.as_deref())?;
     let tokens_needed = steps.min(100_000) * batch * seq_len;
-    let n_docs = if quick { 400 } else { (tokens_needed / seq_len.max(1)).clamp(2000, 40_000) };
+    let n_docs = if quick { 200 } else { (tokens_needed / seq_len.max(1)).clamp(2000, 40_000) };
     let docs = build_mixture(&mixture, &text, n_docs, 1234)?;
     let tok = Tokenizer::bytes();
     let ds = TokenDataset::build(&docs, &tok, seq_len, 0.05)?;
@@ -236,7 +238,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
                 adamw: AdamWParams { weight_decay: 0.1, ..Default::default() },
                 grad_clip: 1.0,
                 eval_every: if time_limit.is_some() { 50 } else { (steps / 8).max(1) },
-                eval_batches: if quick { 2 } else { 8 },
+                eval_batches: if quick { 1 } else { 4 },
                 checkpoint_every: usize::MAX,
                 log_every: 1,
                 seed: 1000 + seed as u64,
