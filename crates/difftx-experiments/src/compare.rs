@@ -17,7 +17,7 @@
 use crate::attention::{draw_bars, run_attention, AttentionOptions};
 use crate::icl::{draw_spread, run_icl, IclOptions};
 use crate::mixture::{build_mixture, read_corpus, MixtureSpec};
-use crate::needle::{draw_heatmaps, run_needle, NeedleOptions, Panel};
+use crate::needle::{draw_heatmaps, run_needle, sweep_panels, NeedleOptions};
 use crate::stats::{paired_differences, summarize, verdict, Direction, Summary, Verdict};
 use anyhow::{bail, Context, Result};
 use difftx_core::tokenizer::Tokenizer;
@@ -357,22 +357,24 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let mut panels = Vec::new();
     for &f in &fams {
         let fr: Vec<&Run> = runs.iter().filter(|r| r.family == f).collect();
+        // mean over seeds of each cell, as a needle result to reuse the panel builder
         let Some((_, first)) = fr[0].results.iter().find(|(n, _)| n == "needle") else { continue };
-        for (si, sw) in first["sweeps"].as_array().cloned().unwrap_or_default().iter().enumerate() {
-            let lens: Vec<String> = sw["context_lengths"].as_array().map(|a| a.iter().map(|x| x.to_string()).collect()).unwrap_or_default();
-            let deps: Vec<String> = sw["depths"].as_array().map(|a| a.iter().map(|x| format!("{:.0}%", x.as_f64().unwrap_or(0.0))).collect()).unwrap_or_default();
-            let values: Vec<Vec<Option<f64>>> = (0..lens.len())
-                .map(|li| {
-                    (0..deps.len())
-                        .map(|di| {
-                            let xs: Vec<f64> = fr.iter().filter_map(|r| r.results.iter().find(|(n, _)| n == "needle")?.1["sweeps"][si]["accuracy"][li][di].as_f64()).collect();
-                            if xs.is_empty() { None } else { Some(crate::stats::mean(&xs)) }
-                        })
-                        .collect()
-                })
-                .collect();
-            panels.push(Panel { title: format!("{} N={}, R={}", f.as_str(), sw["n"], sw["r"]), rows: lens, cols: deps, values });
+        let mut mean = first.clone();
+        if let Some(sweeps) = mean["sweeps"].as_array_mut() {
+            for (si, sw) in sweeps.iter_mut().enumerate() {
+                if let Some(rows) = sw["accuracy"].as_array_mut() {
+                    for (li, row) in rows.iter_mut().enumerate() {
+                        if let Some(cells) = row.as_array_mut() {
+                            for (di, cell) in cells.iter_mut().enumerate() {
+                                let xs: Vec<f64> = fr.iter().filter_map(|r| r.results.iter().find(|(n, _)| n == "needle")?.1["sweeps"][si]["accuracy"][li][di].as_f64()).collect();
+                                *cell = if xs.is_empty() { serde_json::Value::Null } else { serde_json::json!(crate::stats::mean(&xs)) };
+                            }
+                        }
+                    }
+                }
+            }
         }
+        panels.extend(sweep_panels(&mean, &format!("{} ", f.as_str())));
     }
     draw_heatmaps(&opts.out.join("needle_heatmaps.png"), "needle accuracy, mean over seeds (rows: context tokens, cols: depth; grey: does not fit)", &panels, 0.0, 1.0)?;
     let bars: Vec<(String, Vec<(f64, f64, f64)>)> = fams

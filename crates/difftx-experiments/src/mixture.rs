@@ -164,7 +164,8 @@ pub fn insert_at_depths(hay: &str, sentences: &[(String, f64)]) -> (String, Vec<
             (best, i)
         })
         .collect();
-    cuts.sort();
+    // ties (same cut, e.g. an empty haystack) keep the order of depths
+    cuts.sort_by(|x, y| x.0.cmp(&y.0).then(sentences[x.1].1.total_cmp(&sentences[y.1].1)).then(x.1.cmp(&y.1)));
     let mut out = String::with_capacity(hay.len() + sentences.iter().map(|s| s.0.len() + 2).sum::<usize>());
     let mut ranges = vec![0..0; sentences.len()];
     let mut prev = 0;

@@ -164,22 +164,28 @@ pub(crate) fn cell_seed(seed: u64, parts: &[u64]) -> u64 {
     parts.iter().fold(seed ^ 0x5151_2024, |h, &p| (h ^ p).wrapping_mul(0x100_0000_01b3).rotate_left(17))
 }
 
-/// Runs the multi-needle sweeps on the model in `model_dir`; writes `needle.json`, `needle.png`.
-pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Result<serde_json::Value> {
+/// The sweeps of `opts` answered by `answer(prompt_ids, n_answer_tokens) -> generated ids`
+/// (the model's greedy decoding in [`run_needle`]; any oracle in tests). `max_seq_len` is the
+/// model's context. Returns `{"context_lengths", "sweeps": [{n, r, accuracy[len][depth] (null:
+/// does not fit), mean_accuracy, questions}], "mean_accuracy"}`; errors if nothing fits.
+pub fn evaluate_needles(
+    tok: &Tokenizer,
+    opts: &NeedleOptions,
+    max_seq_len: usize,
+    answer: &mut dyn FnMut(&[u32], usize) -> Result<Vec<u32>>,
+) -> Result<serde_json::Value> {
     opts.validate()?;
-    let (model, tok) = load(model_dir)?;
     let clean = clean_text(&read_corpus(opts.haystack.as_deref())?);
     if clean.len() < 1000 {
         bail!("needle: haystack text is too short ({} usable characters)", clean.len());
     }
-    let max = model.config().max_seq_len;
+    let max = max_seq_len;
     let ans_tokens = tok.encode("99")?.len();
     let lengths = if opts.context_lengths.is_empty() { auto_lengths(max, ans_tokens) } else { opts.context_lengths.clone() };
     if let Some(l) = lengths.iter().find(|&&l| l + ans_tokens > max || l == 0) {
         bail!("needle: context length {l} does not fit the model's context of {max} tokens (answer needs {ans_tokens} more)");
     }
     let mut sweeps_json = Vec::new();
-    let mut panels = Vec::new();
     let mut all_correct = 0usize;
     let mut all_total = 0usize;
     for (si, &(n, r)) in opts.sweeps.iter().enumerate() {
@@ -191,15 +197,15 @@ pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Res
                 let (mut c, mut t, mut fits) = (0usize, 0usize, true);
                 for trial in 0..opts.trials {
                     let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[si as u64, li as u64, di as u64, trial as u64]));
-                    let Some(prompts) = needle_prompts(&tok, &clean, n, r, len, d / 100.0, &mut rng)? else {
+                    let Some(prompts) = needle_prompts(tok, &clean, n, r, len, d / 100.0, &mut rng)? else {
                         fits = false;
                         break;
                     };
-                    for (_, ids, answer, _) in prompts {
-                        let want = tok.encode(&answer)?.len();
-                        let got = tok.decode(&greedy(&model, &ids, want)?)?;
+                    for (_, ids, want, _) in prompts {
+                        let k = tok.encode(&want)?.len();
+                        let got = tok.decode(&answer(&ids, k)?)?;
                         t += 1;
-                        if got.trim() == answer {
+                        if got.trim() == want {
                             c += 1;
                         }
                     }
@@ -222,26 +228,51 @@ pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Res
             "accuracy": grid, "mean_accuracy": mean, "questions": st,
             "note": if mean.is_none() { "no context length fits these needles and question" } else { "" },
         }));
-        panels.push(Panel {
-            title: format!("N={n}, R={r}"),
-            rows: lengths.iter().map(|l| l.to_string()).collect(),
-            cols: opts.depths.iter().map(|d| format!("{d:.0}%")).collect(),
-            values: grid,
-        });
     }
     if all_total == 0 {
         bail!("needle: the model's context of {max} tokens is too short for any sweep's needles and question");
     }
+    Ok(serde_json::json!({
+        "context_lengths": lengths,
+        "sweeps": sweeps_json,
+        "mean_accuracy": all_correct as f64 / all_total as f64,
+    }))
+}
+
+/// Heatmap panels (one per sweep) from the JSON of [`evaluate_needles`].
+pub(crate) fn sweep_panels(v: &serde_json::Value, prefix: &str) -> Vec<Panel> {
+    v["sweeps"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|sw| Panel {
+            title: format!("{prefix}N={}, R={}", sw["n"], sw["r"]),
+            rows: sw["context_lengths"].as_array().map(|a| a.iter().map(|x| x.to_string()).collect()).unwrap_or_default(),
+            cols: sw["depths"].as_array().map(|a| a.iter().map(|x| format!("{:.0}%", x.as_f64().unwrap_or(0.0))).collect()).unwrap_or_default(),
+            values: sw["accuracy"].as_array().map(|rows| rows.iter().map(|r| r.as_array().map(|c| c.iter().map(|x| x.as_f64()).collect()).unwrap_or_default()).collect()).unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// Runs the multi-needle sweeps on the model in `model_dir` (greedy answers); writes
+/// `needle.json` and `needle.png` (one heatmap per sweep).
+pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Result<serde_json::Value> {
+    opts.validate()?;
+    let (model, tok) = load(model_dir)?;
+    let max = model.config().max_seq_len;
+    let res = evaluate_needles(&tok, opts, max, &mut |ids, k| greedy(&model, ids, k))?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    draw_heatmaps(&out_dir.join("needle.png"), "multi-needle retrieval accuracy (rows: context tokens, cols: depth)", &panels, 0.0, 1.0)?;
+    draw_heatmaps(&out_dir.join("needle.png"), "multi-needle retrieval accuracy (rows: context tokens, cols: depth; grey: does not fit)", &sweep_panels(&res, ""), 0.0, 1.0)?;
     let v = serde_json::json!({
         "instrument": "needle",
         "model": model_dir.display().to_string(),
         "family": model.config().family.as_str(),
         "max_seq_len": max,
         "options": opts,
-        "sweeps": sweeps_json,
-        "mean_accuracy": all_correct as f64 / all_total as f64,
+        "context_lengths": res["context_lengths"],
+        "sweeps": res["sweeps"],
+        "mean_accuracy": res["mean_accuracy"],
     });
     std::fs::write(out_dir.join("needle.json"), serde_json::to_string_pretty(&v)?)?;
     Ok(v)

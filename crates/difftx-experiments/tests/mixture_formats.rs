@@ -78,3 +78,9 @@ fn bad_specs_are_rejected() {
     assert!(build_mixture(&MixtureSpec::default(), "short", 10, 0).is_err());
     assert!(build_mixture(&MixtureSpec::default(), &text, 0, 0).is_err());
 }
+
+#[test]
+fn ties_keep_depth_order() {
+    let (t, _) = insert_at_depths("", &[("A.".into(), 1.0), ("B.".into(), 0.2), ("C.".into(), 0.0)]);
+    assert_eq!(t, "C. B. A.");
+}

@@ -74,3 +74,45 @@ fn bad_options_give_clear_errors() {
     let e = run_needle(&dir.path().join("missing"), &NeedleOptions::default(), &out).unwrap_err();
     assert!(e.to_string().contains("cannot load"), "{e}");
 }
+
+/// An oracle that reads the prompt and answers the asked key's number; if `only_early`, it
+/// answers "00" whenever that needle sits in the second half of the context.
+fn oracle(tok: &Tokenizer, ids: &[u32], k: usize, only_early: bool) -> anyhow::Result<Vec<u32>> {
+    let text = tok.decode(ids)?;
+    let q = text.rfind("What is the magic number of ").unwrap();
+    let key = &text[q + 28..q + 31];
+    let pat = format!("The magic number of {key} is ");
+    let at = text.find(&pat).unwrap();
+    let value = &text[at + pat.len()..at + pat.len() + 2];
+    let early = (at as f64) < q as f64 / 2.0;
+    let ans = if only_early && !early { "00" } else { value };
+    let ids = tok.encode(ans)?;
+    assert_eq!(ids.len(), k);
+    Ok(ids)
+}
+
+#[test]
+fn oracle_answers_give_known_heatmaps() {
+    let tok = Tokenizer::bytes();
+    let opts = NeedleOptions { depths: vec![0.0, 100.0], trials: 2, ..Default::default() };
+    let perfect = evaluate_needles(&tok, &opts, 256, &mut |ids, k| oracle(&tok, ids, k, false)).unwrap();
+    assert_eq!(perfect["mean_accuracy"].as_f64().unwrap(), 1.0);
+    // one asked needle, so depth 0 / 100% put it at the very start / end of the context
+    let opts = NeedleOptions { sweeps: vec![(1, 1), (2, 1), (4, 1), (6, 1)], ..opts };
+    let early = evaluate_needles(&tok, &opts, 256, &mut |ids, k| oracle(&tok, ids, k, true)).unwrap();
+    let mut seen = 0;
+    for sw in early["sweeps"].as_array().unwrap() {
+        for row in sw["accuracy"].as_array().unwrap() {
+            if row[0].is_null() {
+                continue;
+            }
+            // asked needles at depth 0 are answered, at depth 100% are not
+            assert_eq!(row[0].as_f64().unwrap(), 1.0, "{sw}");
+            assert_eq!(row[1].as_f64().unwrap(), 0.0, "{sw}");
+            seen += 1;
+        }
+    }
+    // N=6 fits only the longest context of 256 tokens; all four sweeps are measured
+    assert!(seen >= 4 + 3);
+    assert!((early["mean_accuracy"].as_f64().unwrap() - 0.5).abs() < 1e-9);
+}
