@@ -140,15 +140,21 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
     Ok(eps)
 }
 
-/// Accuracy of one ordering of `demos` on `queries`.
-fn order_accuracy(model: &Model, tok: &Tokenizer, ep: &Episode, demos: &[(String, usize)], label_ids: &[Vec<u32>]) -> Result<f64> {
+/// Accuracy of one ordering of `demos` on the episode's queries.
+fn order_accuracy(
+    tok: &Tokenizer,
+    ep: &Episode,
+    demos: &[(String, usize)],
+    label_ids: &[Vec<u32>],
+    score: &mut dyn FnMut(&[u32], &[u32]) -> Result<f64>,
+) -> Result<f64> {
     let context: String = demos.iter().map(|(x, c)| icl_line(x, &ep.labels[*c])).collect();
     let mut correct = 0usize;
     for (q, c) in &ep.queries {
         let prompt = tok.encode(&format!("{context}{}", icl_query(q)))?;
         let mut best = (f64::NEG_INFINITY, 0usize);
         for (li, ids) in label_ids.iter().enumerate() {
-            let lp = continuation_logprob(model, &prompt, ids)?;
+            let lp = score(&prompt, ids)?;
             if lp > best.0 {
                 best = (lp, li);
             }
@@ -160,12 +166,15 @@ fn order_accuracy(model: &Model, tok: &Tokenizer, ep: &Episode, demos: &[(String
     Ok(correct as f64 / ep.queries.len() as f64)
 }
 
-/// Runs the order-robustness measurement; writes `icl.json` and `icl.png`.
-pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<serde_json::Value> {
+/// The order-robustness measurement with any label scorer `score(prompt_ids, label_ids)` (the
+/// model's log-probability in [`run_icl`]; an oracle in tests). Returns `{"episodes": [{labels,
+/// order_accuracies, mean_accuracy, margin}], "chance_accuracy", "mean_accuracy", "margin"}`
+/// where `margin` is the mean over episodes of best − worst order accuracy. The first order of
+/// each episode is the drawn order, the others random permutations of it.
+pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut dyn FnMut(&[u32], &[u32]) -> Result<f64>) -> Result<serde_json::Value> {
     if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
         bail!("icl: shots, orders, episodes and queries must be positive");
     }
-    let (model, tok) = load(model_dir)?;
     let eps = episodes(opts)?;
     let mut per_episode = Vec::new();
     let mut all_acc = Vec::new();
@@ -179,7 +188,7 @@ pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<se
             if o > 0 {
                 demos.shuffle(&mut rng);
             }
-            accs.push(order_accuracy(&model, &tok, ep, &demos, &label_ids)?);
+            accs.push(order_accuracy(tok, ep, &demos, &label_ids, score)?);
         }
         let (m, margin) = order_stats(&accs);
         all_acc.extend_from_slice(&accs);
@@ -187,23 +196,43 @@ pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<se
         per_episode.push(serde_json::json!({"labels": ep.labels, "order_accuracies": accs, "mean_accuracy": m, "margin": margin}));
     }
     let chance = crate::stats::mean(&eps.iter().map(|e| 1.0 / e.labels.len() as f64).collect::<Vec<_>>());
+    Ok(serde_json::json!({
+        "task": opts.data.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "synthetic".into()),
+        "chance_accuracy": chance,
+        "episodes": per_episode,
+        "mean_accuracy": crate::stats::mean(&all_acc),
+        "margin": crate::stats::mean(&margins),
+    }))
+}
+
+/// Runs the order-robustness measurement on a model; writes `icl.json` and `icl.png`.
+pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<serde_json::Value> {
+    if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
+        bail!("icl: shots, orders, episodes and queries must be positive");
+    }
+    let (model, tok) = load(model_dir)?;
+    let res = evaluate_icl(&tok, opts, &mut |p, l| continuation_logprob(&model, p, l))?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let series: Vec<(String, Vec<f64>)> = per_episode
+    let series: Vec<(String, Vec<f64>)> = res["episodes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
         .iter()
         .enumerate()
         .map(|(i, e)| (format!("episode {i}"), e["order_accuracies"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()))
         .collect();
+    let chance = res["chance_accuracy"].as_f64().unwrap_or(0.0);
     draw_spread(&out_dir.join("icl.png"), &format!("{}-shot accuracy over demonstration orders ({})", opts.shots, model.config().family.as_str()), &series, chance)?;
     let v = serde_json::json!({
         "instrument": "icl",
         "model": model_dir.display().to_string(),
         "family": model.config().family.as_str(),
         "options": opts,
-        "task": opts.data.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "synthetic".into()),
-        "chance_accuracy": chance,
-        "episodes": per_episode,
-        "mean_accuracy": crate::stats::mean(&all_acc),
-        "margin": crate::stats::mean(&margins),
+        "task": res["task"],
+        "chance_accuracy": res["chance_accuracy"],
+        "episodes": res["episodes"],
+        "mean_accuracy": res["mean_accuracy"],
+        "margin": res["margin"],
     });
     std::fs::write(out_dir.join("icl.json"), serde_json::to_string_pretty(&v)?)?;
     Ok(v)

@@ -96,3 +96,47 @@ fn data_file_and_errors() {
     let e = run_icl(dir.path(), &IclOptions { data: Some(bad), ..Default::default() }, &dir.path().join("o")).unwrap_err();
     assert!(e.to_string().contains("label"), "{e}");
 }
+
+fn parse(tok: &Tokenizer, prompt: &[u32], label: &[u32]) -> (Vec<(String, String)>, String, String) {
+    let text = tok.decode(prompt).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let demos = lines[..lines.len() - 1].iter().map(|l| {
+        let (x, y) = l.split_once(" -> ").unwrap();
+        (x.to_string(), y.to_string())
+    }).collect();
+    let query = lines.last().unwrap().trim_end_matches(" ->").to_string();
+    (demos, query, tok.decode(label).unwrap().trim().to_string())
+}
+
+#[test]
+fn oracle_scorers_give_known_accuracy_and_margin() {
+    let tok = Tokenizer::bytes();
+    let opts = IclOptions { shots: 6, classes: 2, orders: 8, episodes: 3, queries: 7, ..Default::default() };
+    // knows the rule (first letter a-m vs n-z) and reads the label words off the demonstrations
+    let v = evaluate_icl(&tok, &opts, &mut |p, l| {
+        let (demos, q, label) = parse(&tok, p, l);
+        let group = |s: &str| s.as_bytes()[0] < b'n';
+        let right = demos.iter().find(|(x, _)| group(x) == group(&q)).map(|(_, y)| y.clone()).unwrap();
+        Ok(if label == right { 0.0 } else { -1.0 })
+    })
+    .unwrap();
+    assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
+    assert_eq!(v["margin"].as_f64().unwrap(), 0.0);
+    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 0.5);
+    // recency bias: always the last demonstration's label -> accuracy depends on the order
+    let v = evaluate_icl(&tok, &opts, &mut |p, l| {
+        let (demos, _, label) = parse(&tok, p, l);
+        Ok(if label == demos.last().unwrap().1 { 0.0 } else { -1.0 })
+    })
+    .unwrap();
+    let acc = v["mean_accuracy"].as_f64().unwrap();
+    assert!(acc > 0.1 && acc < 0.9, "{acc}");
+    assert!(v["margin"].as_f64().unwrap() > 0.0);
+    for e in v["episodes"].as_array().unwrap() {
+        let accs: Vec<f64> = e["order_accuracies"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        // with 2 labels, the last demo's label is right on the queries of its class only:
+        // every order's accuracy is the share of one class among the 7 queries (never 1/2)
+        let a0 = accs[0];
+        assert!(accs.iter().all(|a| (*a - a0).abs() < 1e-12 || (*a - (1.0 - a0)).abs() < 1e-12), "{accs:?}");
+    }
+}
