@@ -35,9 +35,29 @@ use std::time::Instant;
 pub enum Budget {
     /// Optimizer steps per model.
     Steps(usize),
-    /// Wall-clock seconds per model (steps then differ between families: slower attention trains
-    /// fewer tokens; the report shows tokens seen).
+    /// Wall-clock seconds of training in all, split evenly over the models (families × seeds);
+    /// steps then differ between families (slower attention trains fewer tokens; the loss curves
+    /// are against tokens).
     Seconds(f64),
+}
+
+impl std::str::FromStr for Budget {
+    type Err = String;
+    /// `300` or `300steps` = steps per model; `90s`, `15m`, `1h` = total training time.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        let bad = || format!("invalid budget '{s}' (expected steps like 300, or a time like 90s, 15m, 1h)");
+        let num = |x: &str| x.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0);
+        if let Some(x) = t.strip_suffix("steps") {
+            return x.trim().parse::<usize>().map(Budget::Steps).map_err(|_| bad());
+        }
+        for (suffix, mul) in [("s", 1.0), ("m", 60.0), ("h", 3600.0)] {
+            if let Some(x) = t.strip_suffix(suffix) {
+                return num(x).map(|v| Budget::Seconds(v * mul)).ok_or_else(bad);
+            }
+        }
+        t.parse::<usize>().map(Budget::Steps).map_err(|_| bad())
+    }
 }
 
 /// An instrument `compare` does not own: run on `(model_dir, out_dir)`, returning its JSON.
@@ -86,11 +106,13 @@ pub struct CompareOptions {
     pub extra_instruments: Vec<ExtraInstrument>,
 }
 
-/// Default steps per model: sized so 3 families × 3 seeds train in about 12 minutes on 2 idle
-/// cores with the tiny preset: 90 steps × 8 × 256 tokens = 184k tokens per model, 1.66M in all;
-/// the tiny baseline trains at ~3k tokens/s on 2 idle cores, and the diff families measured at
-/// 60–70% of the baseline's speed (quick-run metrics.jsonl), so about 10–12 minutes of training
-/// plus 1–3 minutes of instruments. On a loaded machine it takes proportionally longer.
+/// Default steps per model, sized for ~15 minutes on 2 idle cores with the tiny preset:
+/// 90 steps × 8 × 256 tokens = 184k tokens per model. Measured at batch 8 × 256 (on 2 shared
+/// cores at load ~10): baseline 432, diff-v1 392, diff-v2 220 tokens/s, i.e. diff-v1 ≈ 0.9× and
+/// diff-v2 ≈ 0.5× the baseline's speed; with the baseline at ~3k tokens/s on idle cores that is
+/// ~61 + 68 + 120 s per seed, ~12.5 minutes for 3 seeds, plus validation and instruments
+/// (~1–2 minutes). On a loaded machine it takes proportionally longer; `--budget 15m` bounds
+/// the training time instead.
 pub const DEFAULT_STEPS: usize = 90;
 
 impl Default for CompareOptions {
@@ -200,11 +222,24 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let (steps, time_limit) = match budget {
         Budget::Steps(s) if s < 2 => bail!("compare: a budget of {s} step(s) is too small to train (need at least 2)"),
         Budget::Steps(s) => (s, None),
-        Budget::Seconds(t) if !(t >= 5.0) => bail!("compare: a budget of {t} seconds per model is too small to train (need at least 5)"),
-        Budget::Seconds(t) => (1_000_000, Some(t)),
+        Budget::Seconds(_) => (1_000_000, None),
     };
-    let mut fams = opts.families.clone();
-    fams.dedup();
+    let mut fams: Vec<Family> = Vec::new();
+    for f in &opts.families {
+        if !fams.contains(f) {
+            fams.push(*f);
+        }
+    }
+    let time_limit = match budget {
+        Budget::Seconds(t) => {
+            let per = t / (fams.len() * seeds) as f64;
+            if !(per >= 5.0) {
+                bail!("compare: a budget of {t} seconds is too small to train {} models (need at least 5 s each)", fams.len() * seeds);
+            }
+            Some(per)
+        }
+        Budget::Steps(_) => time_limit,
+    };
     let mut mixture = opts.mixture.clone();
     mixture.doc_chars = seq_len;
     let needle_opts = if quick {

@@ -77,3 +77,19 @@ fn bad_budgets_and_families_are_clear_errors() {
     let e = run_compare(&CompareOptions { preset: "huge".into(), quick: true, out: dir.path().into(), ..Default::default() }).unwrap_err();
     assert!(e.to_string().contains("huge"), "{e}");
 }
+
+#[test]
+fn budgets_parse() {
+    assert_eq!("300".parse::<Budget>().unwrap(), Budget::Steps(300));
+    assert_eq!("40steps".parse::<Budget>().unwrap(), Budget::Steps(40));
+    assert_eq!("90s".parse::<Budget>().unwrap(), Budget::Seconds(90.0));
+    assert_eq!("15m".parse::<Budget>().unwrap(), Budget::Seconds(900.0));
+    assert_eq!("1h".parse::<Budget>().unwrap(), Budget::Seconds(3600.0));
+    for bad in ["", "x", "-3m", "1.5", "0m", "ten"] {
+        assert!(bad.parse::<Budget>().is_err(), "{bad}");
+    }
+    // 30 s for 9 models is under 5 s each
+    let dir = tempfile::tempdir().unwrap();
+    let e = run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("too small"), "{e}");
+}
