@@ -201,7 +201,10 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
 
 /// Grouped bars: for each series (e.g. a family), per depth, answer mass (solid) and noise mass
 /// (hatched lighter). `series`: (name, [(depth, answer, noise)]).
-pub(crate) fn draw_bars(path: &Path, title: &str, series: &[(String, Vec<(f64, f64, f64)>)]) -> Result<()> {
+/// A bar series: name and (depth, answer mass, noise mass) per depth.
+pub(crate) type BarSeries = (String, Vec<(f64, f64, f64)>);
+
+pub(crate) fn draw_bars(path: &Path, title: &str, series: &[BarSeries]) -> Result<()> {
     crate::plot::init_fonts();
     let depths: Vec<f64> = series.first().map(|s| s.1.iter().map(|x| x.0).collect()).unwrap_or_default();
     let nd = depths.len().max(1);

@@ -187,7 +187,9 @@ struct Run {
     val_curve: Vec<(f64, f64)>,
 }
 
-fn read_curves(dir: &Path) -> Result<(Vec<(f64, f64)>, Vec<(f64, f64)>)> {
+type Curve = Vec<(f64, f64)>;
+
+fn read_curves(dir: &Path) -> Result<(Curve, Curve)> {
     let p = dir.join(difftx_train::trainer::METRICS_FILE);
     let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
     let (mut tr, mut va) = (Vec::new(), Vec::new());
@@ -233,7 +235,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let time_limit = match budget {
         Budget::Seconds(t) => {
             let per = t / (fams.len() * seeds) as f64;
-            if !(per >= 5.0) {
+            if per.is_nan() || per < 5.0 {
                 bail!("compare: a budget of {t} seconds is too small to train {} models (need at least 5 s each)", fams.len() * seeds);
             }
             Some(per)
@@ -412,7 +414,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
         panels.extend(sweep_panels(&mean, &format!("{} ", f.as_str())));
     }
     draw_heatmaps(&opts.out.join("needle_heatmaps.png"), "needle accuracy, mean over seeds (rows: context tokens, cols: depth; grey: does not fit)", &panels, 0.0, 1.0)?;
-    let bars: Vec<(String, Vec<(f64, f64, f64)>)> = fams
+    let bars: Vec<crate::attention::BarSeries> = fams
         .iter()
         .map(|&f| {
             let fr: Vec<&Run> = runs.iter().filter(|r| r.family == f).collect();

@@ -43,6 +43,9 @@ impl Default for IclOptions {
     }
 }
 
+/// Scores a label: `(prompt ids, label ids) -> score` (higher = more likely).
+pub type Scorer<'a> = dyn FnMut(&[u32], &[u32]) -> Result<f64> + 'a;
+
 /// Total log-probability of `cont` after `prompt`, from one forward pass over prompt + cont.
 pub fn continuation_logprob(model: &Model, prompt: &[u32], cont: &[u32]) -> Result<f64> {
     if prompt.is_empty() || cont.is_empty() {
@@ -146,7 +149,7 @@ fn order_accuracy(
     ep: &Episode,
     demos: &[(String, usize)],
     label_ids: &[Vec<u32>],
-    score: &mut dyn FnMut(&[u32], &[u32]) -> Result<f64>,
+    score: &mut Scorer<'_>,
 ) -> Result<f64> {
     let context: String = demos.iter().map(|(x, c)| icl_line(x, &ep.labels[*c])).collect();
     let mut correct = 0usize;
@@ -171,7 +174,7 @@ fn order_accuracy(
 /// order_accuracies, mean_accuracy, margin}], "chance_accuracy", "mean_accuracy", "margin"}`
 /// where `margin` is the mean over episodes of best − worst order accuracy. The first order of
 /// each episode is the drawn order, the others random permutations of it.
-pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut dyn FnMut(&[u32], &[u32]) -> Result<f64>) -> Result<serde_json::Value> {
+pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut Scorer<'_>) -> Result<serde_json::Value> {
     if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
         bail!("icl: shots, orders, episodes and queries must be positive");
     }

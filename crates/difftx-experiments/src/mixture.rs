@@ -197,7 +197,7 @@ pub fn needle_document(clean: &str, n: usize, r: usize, max_chars: usize, rng: &
     asked.truncate(r.min(n));
     let qa: String = asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
     let fixed: usize = needles.iter().map(|(k, v)| needle_sentence(k, v).len() + 1).sum::<usize>() + qa.len();
-    let hay_len = max_chars.saturating_sub(fixed).max(0);
+    let hay_len = max_chars.saturating_sub(fixed);
     let hay_len = if hay_len > 0 { rng.random_range(hay_len / 3..=hay_len) } else { 0 };
     let hay = haystack(clean, hay_len, rng);
     let sentences: Vec<(String, f64)> =

@@ -63,6 +63,12 @@ impl NeedleOptions {
 }
 
 /// Loads a model folder (or run folder) and its tokenizer, with one-line errors.
+/// One asked needle: (prompt text, prompt ids, expected answer, answer byte range in the text).
+pub type NeedlePrompt = (String, Vec<u32>, String, std::ops::Range<usize>);
+
+/// Answers a needle prompt: `(prompt ids, answer length in tokens) -> generated ids`.
+pub type Answerer<'a> = dyn FnMut(&[u32], usize) -> Result<Vec<u32>> + 'a;
+
 pub(crate) fn load(model_dir: &Path) -> Result<(Model, Tokenizer)> {
     let model = difftx_core::checkpoint::load_runnable(model_dir, &Device::Cpu)
         .with_context(|| format!("cannot load a model from {}", model_dir.display()))?;
@@ -116,7 +122,7 @@ pub fn needle_prompts(
     len: usize,
     depth: f64,
     rng: &mut impl Rng,
-) -> Result<Option<Vec<(String, Vec<u32>, String, std::ops::Range<usize>)>>> {
+) -> Result<Option<Vec<NeedlePrompt>>> {
     let needles = draw_needles(n, rng);
     let mut depths: Vec<f64> = Vec::with_capacity(n);
     for i in 0..n {
@@ -172,7 +178,7 @@ pub fn evaluate_needles(
     tok: &Tokenizer,
     opts: &NeedleOptions,
     max_seq_len: usize,
-    answer: &mut dyn FnMut(&[u32], usize) -> Result<Vec<u32>>,
+    answer: &mut Answerer<'_>,
 ) -> Result<serde_json::Value> {
     opts.validate()?;
     let clean = clean_text(&read_corpus(opts.haystack.as_deref())?);
