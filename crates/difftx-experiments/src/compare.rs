@@ -260,6 +260,10 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let tok = Tokenizer::bytes();
     let ds = TokenDataset::build(&docs, &tok, seq_len, 0.05)?;
     std::fs::create_dir_all(&opts.out).with_context(|| format!("cannot create {}", opts.out.display()))?;
+    std::fs::write(
+        opts.out.join("mixture.json"),
+        serde_json::to_string_pretty(&serde_json::json!({"spec": mixture, "documents": n_docs, "seed": 1234, "text": opts.data.clone().unwrap_or_else(crate::mixture::bundled_corpus)}))?,
+    )?;
 
     let mut runs: Vec<Run> = Vec::new();
     let mut params = serde_json::Map::new();
@@ -295,6 +299,10 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
             if dir.join(difftx_train::trainer::TRAIN_CONFIG_FILE).exists() {
                 if !done.exists() {
                     bail!("compare: {} holds an unfinished run; remove it or choose another --out", dir.display());
+                }
+                let old = difftx_train::trainer::read_options(&dir)?;
+                if serde_json::to_value(&old)? != serde_json::to_value(&topts)? {
+                    bail!("compare: {} holds a run with different settings (budget, batch, model or seed); remove it or choose another --out", dir.display());
                 }
                 eprintln!("compare: reusing the finished run in {}", dir.display());
             } else {

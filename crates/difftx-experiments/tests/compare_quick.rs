@@ -61,6 +61,11 @@ fn quick_compare_writes_a_full_report() {
     let t2 = std::time::Instant::now();
     run_compare(&opts2).unwrap();
     assert!(t2.elapsed().as_secs_f64() < t.elapsed().as_secs_f64());
+    assert!(out.join("mixture.json").exists());
+    // a rerun with other settings refuses to mix runs
+    let opts3 = CompareOptions { quick: true, lr: 1e-3, out: dir.path().join("cmp"), ..Default::default() };
+    let e = run_compare(&opts3).unwrap_err();
+    assert!(e.to_string().contains("different settings"), "{e}");
 }
 
 #[test]
