@@ -143,8 +143,9 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
     }
     let clean = clean_text(&read_corpus(opts.haystack.as_deref())?);
     let mut per_depth = Vec::new();
+    let mut shares = Vec::new();
     for (di, &d) in opts.depths.iter().enumerate() {
-        let (mut a, mut n) = (Vec::new(), Vec::new());
+        let (mut a, mut n, mut share) = (Vec::new(), Vec::new(), Vec::new());
         for trial in 0..opts.trials {
             let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[77, di as u64, trial as u64]));
             let Some(prompts) = needle_prompts(&tok, &clean, opts.needles, 1, len, d / 100.0, &mut rng)? else {
@@ -158,8 +159,10 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
             let m = allocation(&maps, ids.len() - 1, span, ctx)?;
             a.push(m.answer);
             n.push(m.noise);
+            share.push(m.answer / (m.answer + m.noise));
         }
         per_depth.push((d, crate::stats::mean(&a), crate::stats::mean(&n)));
+        shares.push(crate::stats::mean(&share));
     }
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     draw_bars(&out_dir.join("attention.png"), &format!("attention allocation ({})", cfg.family.as_str()), &[(cfg.family.as_str().to_string(), per_depth.clone())])?;
@@ -190,9 +193,12 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
         "family": cfg.family.as_str(),
         "options": opts,
         "context_len": len,
-        "depths": per_depth.iter().map(|(d, a, n)| serde_json::json!({"depth": d, "answer_mass": a, "noise_mass": n})).collect::<Vec<_>>(),
+        "depths": per_depth.iter().zip(&shares).map(|((d, a, n), s)| serde_json::json!({"depth": d, "answer_mass": a, "noise_mass": n, "answer_share": s})).collect::<Vec<_>>(),
         "mean_answer_mass": crate::stats::mean(&per_depth.iter().map(|x| x.1).collect::<Vec<_>>()),
         "mean_noise_mass": crate::stats::mean(&per_depth.iter().map(|x| x.2).collect::<Vec<_>>()),
+        // answer / (answer + noise): comparable across families even though a diff map's rows
+        // sum to about 1 − λ rather than 1
+        "mean_answer_share": crate::stats::mean(&shares),
         "heatmap": {"layer": layer, "head": opts.heatmap_head, "tokens": ids.len()},
     });
     std::fs::write(out_dir.join("attention.json"), serde_json::to_string_pretty(&v)?)?;
@@ -209,7 +215,7 @@ pub(crate) fn draw_bars(path: &Path, title: &str, series: &[BarSeries]) -> Resul
     let depths: Vec<f64> = series.first().map(|s| s.1.iter().map(|x| x.0).collect()).unwrap_or_default();
     let nd = depths.len().max(1);
     let ns = series.len().max(1);
-    let ymax = series.iter().flat_map(|s| s.1.iter().flat_map(|x| [x.1, x.2])).fold(0.0f64, f64::max).max(0.05) * 1.15;
+    let ymax = series.iter().flat_map(|s| s.1.iter().flat_map(|x| [x.1, x.2])).fold(0.0f64, f64::max).max(0.05) * 1.45;
     let ymin = series.iter().flat_map(|s| s.1.iter().flat_map(|x| [x.1, x.2])).fold(0.0f64, f64::min) * 1.15;
     let root = BitMapBackend::new(path, (900, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
@@ -246,7 +252,7 @@ pub(crate) fn draw_bars(path: &Path, title: &str, series: &[BarSeries]) -> Resul
             .label(format!("{name}: answer span (solid) / noise (light)"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 12)).draw().map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    chart.configure_series_labels().position(SeriesLabelPosition::UpperRight).background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 12)).draw().map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     root.present().map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     Ok(())
 }

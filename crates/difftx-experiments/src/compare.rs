@@ -169,6 +169,7 @@ fn builtin_claims(sweeps: &[(usize, usize)]) -> Vec<(String, ClaimSpec)> {
     }
     v.extend([
         c("attention", "attn_answer", "Attention mass on the answer span", "baseline ≈0.03–0.09, diff ≈0.27–0.40 (by depth)", "/mean_answer_mass", Direction::Higher),
+        c("attention", "attn_share", "Answer span's share of context attention, answer / (answer + noise)", "baseline ≈0.06–0.15, diff ≈0.93–0.98 (from the masses above)", "/mean_answer_share", Direction::Higher),
         c("attention", "attn_noise", "Attention mass on the noise context", "baseline ≈0.49–0.54, diff ≈0.01–0.02 (by depth)", "/mean_noise_mass", Direction::Lower),
         c("icl", "icl_acc", "In-context classification accuracy (mean over orders)", "higher for diff", "/mean_accuracy", Direction::Higher),
         c("icl", "icl_margin", "Best − worst accuracy over demonstration orders", "much smaller for diff (e.g. ≈19 vs ≈4 points, random order)", "/margin", Direction::Lower),
@@ -454,6 +455,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
         .collect();
     let chance = 1.0 / icl_opts.classes.max(1) as f64;
     draw_spread(&opts.out.join("icl_spread.png"), "ICL accuracy per demonstration order (all seeds, episodes)", &spread, if icl_opts.data.is_none() { chance } else { 0.0 })?;
+    md.push_str("Note on attention masses: a differential map A1 − λ·A2 has rows summing to about 1 − λ, not 1, so its raw masses are smaller than a softmax's by construction; the answer-share row compares families on the same footing.\n\n");
     md.push_str("## Plots\n\n![loss](loss_curves.png)\n\n![needle](needle_heatmaps.png)\n\n![attention](attention_bars.png)\n\n![icl](icl_spread.png)\n\n");
     md.push_str("Per-run instrument outputs (JSON and PNG) are in `runs/FAMILY-seedN/analysis/`.\n");
 

@@ -89,3 +89,15 @@ fn bad_options_are_errors() {
     let e = run_attention(dir.path(), &AttentionOptions { depths: vec![150.0], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("150"), "{e}");
 }
+
+#[test]
+fn share_is_reported_and_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path(), Family::Baseline);
+    let v = run_attention(dir.path(), &AttentionOptions { depths: vec![50.0], trials: 1, ..Default::default() }, &dir.path().join("o")).unwrap();
+    let d = &v["depths"][0];
+    let (a, n, s) = (d["answer_mass"].as_f64().unwrap(), d["noise_mass"].as_f64().unwrap(), d["answer_share"].as_f64().unwrap());
+    // one trial: the share is exactly answer / (answer + noise)
+    assert!((s - a / (a + n)).abs() < 1e-12);
+    assert_eq!(v["mean_answer_share"].as_f64().unwrap(), s);
+}
