@@ -2,8 +2,15 @@
 //! attention allocation, multi-needle retrieval, in-context order robustness) and `compare`, which
 //! trains parameter-matched families and reports on them. Uses only the public APIs of difftx-core
 //! and difftx-train; writes JSON and PNG files, never touches model internals.
-pub mod plot;
+
+pub mod attention;
 pub mod common;
-pub mod seed_demo;
+pub mod compare;
+pub mod icl;
+pub mod mixture;
+pub mod needle;
 pub mod outliers;
+pub mod plot;
 pub mod quantize;
+pub mod seed_demo;
+pub mod stats;

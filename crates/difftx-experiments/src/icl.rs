@@ -1,0 +1,287 @@
+//! In-context order robustness (SPEC §4): k-shot classification where the same demonstrations
+//! are shown in many random orders. Each label is scored by its total log-probability after the
+//! prompt (prediction = best label of the task's label set). Reports mean accuracy and the
+//! best-minus-worst accuracy margin over orders.
+//!
+//! Tasks: the synthetic task of `mixture` (default; per-episode random label words) or a JSONL
+//! file of {"text", "label"} objects (e.g. `data/eval/snips_intent.jsonl`, for models that read).
+//! Prompt format: lines `input -> label`, then `query ->`; a label is scored as " label".
+
+use crate::mixture::{icl_line, icl_query, SyntheticTask};
+use crate::needle::{cell_seed, load};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, IndexOp, Tensor};
+use difftx_core::model::Model;
+use difftx_core::tokenizer::Tokenizer;
+use plotters::prelude::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IclOptions {
+    /// Demonstrations per prompt (k).
+    pub shots: usize,
+    /// Classes of the synthetic task (ignored with `data`).
+    pub classes: usize,
+    /// Random orders of the same demonstrations.
+    pub orders: usize,
+    /// Independent sets of demonstrations (and, for the synthetic task, label words).
+    pub episodes: usize,
+    /// Queries scored per order.
+    pub queries: usize,
+    pub seed: u64,
+    /// JSONL file of {"text","label"}; None = the synthetic task.
+    pub data: Option<PathBuf>,
+}
+
+impl Default for IclOptions {
+    fn default() -> Self {
+        IclOptions { shots: 8, classes: 2, orders: 10, episodes: 4, queries: 8, seed: 0, data: None }
+    }
+}
+
+/// Scores a label: `(prompt ids, label ids) -> score` (higher = more likely).
+pub type Scorer<'a> = dyn FnMut(&[u32], &[u32]) -> Result<f64> + 'a;
+
+/// Total log-probability of `cont` after `prompt`, from one forward pass over prompt + cont.
+pub fn continuation_logprob(model: &Model, prompt: &[u32], cont: &[u32]) -> Result<f64> {
+    if prompt.is_empty() || cont.is_empty() {
+        bail!("prompt and continuation must be non-empty");
+    }
+    let mut ids = prompt.to_vec();
+    ids.extend_from_slice(&cont[..cont.len() - 1]);
+    if ids.len() > model.config().max_seq_len {
+        bail!("icl: prompt and label need {} tokens, more than the model's context of {}; lower --shots", ids.len() + 1, model.config().max_seq_len);
+    }
+    let x = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
+    let logits = model.forward(&x, None)?.i(0)?.to_dtype(DType::F64)?; // [T, V]
+    let rows = logits.i(prompt.len() - 1..ids.len())?.to_vec2::<f64>()?;
+    let mut total = 0.0;
+    for (row, &t) in rows.iter().zip(cont) {
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        total += row[t as usize] - lse;
+    }
+    Ok(total)
+}
+
+/// Mean and best-minus-worst margin of per-order accuracies.
+pub fn order_stats(accuracies: &[f64]) -> (f64, f64) {
+    let max = accuracies.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let min = accuracies.iter().cloned().fold(f64::INFINITY, f64::min);
+    (crate::stats::mean(accuracies), if accuracies.is_empty() { f64::NAN } else { max - min })
+}
+
+/// (text, label index) examples plus label names.
+struct Episode {
+    labels: Vec<String>,
+    demos: Vec<(String, usize)>,
+    queries: Vec<(String, usize)>,
+}
+
+fn read_labelled(path: &Path) -> Result<Vec<(String, String)>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("icl: cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}:{}: not JSON ({e})", path.display(), i + 1))?;
+        match (v.get("text").and_then(|x| x.as_str()), v.get("label").and_then(|x| x.as_str())) {
+            (Some(t), Some(l)) => out.push((t.replace('\n', " "), l.to_string())),
+            _ => bail!("{}:{}: needs string fields \"text\" and \"label\"", path.display(), i + 1),
+        }
+    }
+    if out.len() < 4 {
+        bail!("icl: {} has {} examples; at least 4 are needed", path.display(), out.len());
+    }
+    Ok(out)
+}
+
+fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
+    let mut eps = Vec::new();
+    match &opts.data {
+        None => {
+            if opts.classes < 2 || opts.classes > crate::mixture::LABEL_WORDS.len() {
+                bail!("icl: classes must be 2..={}, got {}", crate::mixture::LABEL_WORDS.len(), opts.classes);
+            }
+            for e in 0..opts.episodes {
+                let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[31, e as u64]));
+                let task = SyntheticTask::random(opts.classes, &mut rng);
+                // demonstrations cover every class when shots allow
+                let mut demos: Vec<(String, usize)> = (0..opts.shots).map(|i| (task.input_of_class(i % opts.classes, &mut rng), i % opts.classes)).collect();
+                demos.shuffle(&mut rng);
+                let queries = task.examples(opts.queries, &mut rng);
+                eps.push(Episode { labels: task.labels.clone(), demos, queries });
+            }
+        }
+        Some(path) => {
+            let all = read_labelled(path)?;
+            let mut labels: Vec<String> = all.iter().map(|x| x.1.clone()).collect();
+            labels.sort();
+            labels.dedup();
+            if labels.len() < 2 {
+                bail!("icl: {} has a single label", path.display());
+            }
+            if opts.shots + opts.queries > all.len() {
+                bail!("icl: {} has {} examples, fewer than shots + queries = {}", path.display(), all.len(), opts.shots + opts.queries);
+            }
+            let idx = |l: &str| labels.iter().position(|x| x == l).unwrap_or(0);
+            for e in 0..opts.episodes {
+                let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[37, e as u64]));
+                let mut pool = all.clone();
+                pool.shuffle(&mut rng);
+                let demos = pool[..opts.shots].iter().map(|(t, l)| (t.clone(), idx(l))).collect();
+                let queries = pool[opts.shots..opts.shots + opts.queries].iter().map(|(t, l)| (t.clone(), idx(l))).collect();
+                eps.push(Episode { labels: labels.clone(), demos, queries });
+            }
+        }
+    }
+    Ok(eps)
+}
+
+/// Accuracy of one ordering of `demos` on the episode's queries.
+fn order_accuracy(
+    tok: &Tokenizer,
+    ep: &Episode,
+    demos: &[(String, usize)],
+    label_ids: &[Vec<u32>],
+    score: &mut Scorer<'_>,
+) -> Result<f64> {
+    let context: String = demos.iter().map(|(x, c)| icl_line(x, &ep.labels[*c])).collect();
+    let mut correct = 0usize;
+    for (q, c) in &ep.queries {
+        let prompt = tok.encode(&format!("{context}{}", icl_query(q)))?;
+        let mut best = (f64::NEG_INFINITY, 0usize);
+        for (li, ids) in label_ids.iter().enumerate() {
+            let lp = score(&prompt, ids)?;
+            if lp > best.0 {
+                best = (lp, li);
+            }
+        }
+        if best.1 == *c {
+            correct += 1;
+        }
+    }
+    Ok(correct as f64 / ep.queries.len() as f64)
+}
+
+/// The order-robustness measurement with any label scorer `score(prompt_ids, label_ids)` (the
+/// model's log-probability in [`run_icl`]; an oracle in tests). Returns `{"episodes": [{labels,
+/// order_accuracies, mean_accuracy, margin}], "chance_accuracy", "mean_accuracy", "margin"}`
+/// where `margin` is the mean over episodes of best − worst order accuracy. The first order of
+/// each episode is the drawn order, the others random permutations of it.
+pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut Scorer<'_>) -> Result<serde_json::Value> {
+    if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
+        bail!("icl: shots, orders, episodes and queries must be positive");
+    }
+    let eps = episodes(opts)?;
+    let mut per_episode = Vec::new();
+    let mut all_acc = Vec::new();
+    let mut margins = Vec::new();
+    for (e, ep) in eps.iter().enumerate() {
+        let label_ids: Vec<Vec<u32>> = ep.labels.iter().map(|l| tok.encode(&format!(" {l}"))).collect::<Result<_>>()?;
+        let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[41, e as u64]));
+        let mut accs = Vec::with_capacity(opts.orders);
+        for o in 0..opts.orders {
+            let mut demos = ep.demos.clone();
+            if o > 0 {
+                demos.shuffle(&mut rng);
+            }
+            accs.push(order_accuracy(tok, ep, &demos, &label_ids, score)?);
+        }
+        let (m, margin) = order_stats(&accs);
+        all_acc.extend_from_slice(&accs);
+        margins.push(margin);
+        per_episode.push(serde_json::json!({"labels": ep.labels, "order_accuracies": accs, "mean_accuracy": m, "margin": margin}));
+    }
+    let chance = crate::stats::mean(&eps.iter().map(|e| 1.0 / e.labels.len() as f64).collect::<Vec<_>>());
+    Ok(serde_json::json!({
+        "task": opts.data.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "synthetic".into()),
+        "chance_accuracy": chance,
+        "episodes": per_episode,
+        "mean_accuracy": crate::stats::mean(&all_acc),
+        "margin": crate::stats::mean(&margins),
+    }))
+}
+
+/// Runs the order-robustness measurement on a model; writes `icl.json` and `icl.png`.
+pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<serde_json::Value> {
+    if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
+        bail!("icl: shots, orders, episodes and queries must be positive");
+    }
+    let (model, tok) = load(model_dir)?;
+    let res = evaluate_icl(&tok, opts, &mut |p, l| continuation_logprob(&model, p, l))?;
+    std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let series: Vec<(String, Vec<f64>)> = res["episodes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (format!("episode {i}"), e["order_accuracies"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()))
+        .collect();
+    let chance = res["chance_accuracy"].as_f64().unwrap_or(0.0);
+    draw_spread(&out_dir.join("icl.png"), &format!("{}-shot accuracy over demonstration orders ({})", opts.shots, model.config().family.as_str()), &series, chance)?;
+    let v = serde_json::json!({
+        "instrument": "icl",
+        "model": model_dir.display().to_string(),
+        "family": model.config().family.as_str(),
+        "options": opts,
+        "task": res["task"],
+        "chance_accuracy": res["chance_accuracy"],
+        "episodes": res["episodes"],
+        "mean_accuracy": res["mean_accuracy"],
+        "margin": res["margin"],
+    });
+    std::fs::write(out_dir.join("icl.json"), serde_json::to_string_pretty(&v)?)?;
+    Ok(v)
+}
+
+/// Per series: each value a dot, plus a min–max bar and the mean; a dashed chance line.
+pub(crate) fn draw_spread(path: &Path, title: &str, series: &[(String, Vec<f64>)], chance: f64) -> Result<()> {
+    crate::plot::init_fonts();
+    let n = series.len().max(1);
+    let root = BitMapBackend::new(path, (200 + 110 * n as u32, 440)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(-0.5f64..n as f64 - 0.5, 0f64..1.05)
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    let names: Vec<String> = series.iter().map(|s| s.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n + 1)
+        .x_label_formatter(&|x| crate::needle::seg_label(x, &names))
+        .y_desc("accuracy")
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    chart
+        .draw_series(DashedLineSeries::new(vec![(-0.5, chance), (n as f64 - 0.5, chance)], 6, 4, BLACK.mix(0.5).stroke_width(1)))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    for (i, (_, vals)) in series.iter().enumerate() {
+        if vals.is_empty() {
+            continue;
+        }
+        let x = i as f64;
+        let c = Palette99::pick(i).to_rgba();
+        let lo = vals.iter().cloned().fold(f64::INFINITY, f64::min);
+        let hi = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let m = crate::stats::mean(vals);
+        chart.draw_series(std::iter::once(Rectangle::new([(x - 0.25, lo), (x + 0.25, hi)], c.mix(0.25).filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        chart.draw_series(std::iter::once(PathElement::new(vec![(x - 0.3, m), (x + 0.3, m)], c.stroke_width(3)))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        chart
+            .draw_series(vals.iter().enumerate().map(|(j, v)| Circle::new((x - 0.2 + 0.4 * j as f64 / vals.len().max(2) as f64, *v), 3, c.filled())))
+            .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    }
+    root.present().map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,100 @@
+use difftx_core::Family;
+use difftx_experiments::compare::*;
+use difftx_experiments::stats::Direction;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+#[test]
+fn quick_compare_writes_a_full_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = calls.clone();
+    let extra = ExtraInstrument {
+        name: "probe".into(),
+        // a stand-in external instrument: reports the model folder's file count
+        run: Box::new(move |model_dir, out_dir| {
+            c2.fetch_add(1, Ordering::SeqCst);
+            assert!(out_dir.ends_with("analysis"));
+            let n = std::fs::read_dir(model_dir)?.count() as f64;
+            Ok(serde_json::json!({"files": n}))
+        }),
+        claims: vec![ClaimSpec { id: "files".into(), title: "Files in the run folder".into(), paper: "none".into(), pointer: "/files".into(), direction: Direction::Higher }],
+    };
+    let opts = CompareOptions { quick: true, out: dir.path().join("cmp"), extra_instruments: vec![extra], ..Default::default() };
+    let t = std::time::Instant::now();
+    let rep = run_compare(&opts).unwrap();
+    eprintln!("quick compare wall time: {:.1} s", t.elapsed().as_secs_f64());
+    let out = dir.path().join("cmp");
+    for f in ["report.md", "report.json", "loss_curves.png", "needle_heatmaps.png", "attention_bars.png", "icl_spread.png"] {
+        assert!(out.join(f).metadata().map(|m| m.len() > 200).unwrap_or(false), "{f} missing");
+    }
+    // 3 families x 2 seeds, each analysed by every instrument
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
+    let runs = rep.report_json["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 6);
+    for r in runs {
+        let dir = std::path::Path::new(r["dir"].as_str().unwrap());
+        for f in ["needle.json", "attention.json", "icl.json", "needle.png", "attention.png", "icl.png"] {
+            assert!(dir.join("analysis").join(f).exists(), "{f}");
+        }
+        let loss = r["results"]["train"]["final_val_loss"].as_f64().unwrap();
+        // a byte model starts near ln(256) = 5.55 and must have learned something in 8 steps
+        assert!(loss.is_finite() && loss < 5.55, "{loss}");
+    }
+    // same seed -> same data for every family: identical batches means the same token counts
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    for title in ["Validation loss", "Needle accuracy N=1, R=1", "Attention mass on the answer span", "Best − worst accuracy", "Files in the run folder"] {
+        assert!(md.contains(title), "report lacks {title}");
+    }
+    assert!(md.contains("| diff-v1 |") && md.contains("| diff-v2 |") && md.contains("| baseline |"));
+    // every verdict cell is one of the three verdicts
+    let verdicts = md.lines().filter(|l| l.starts_with("| diff-v")).count();
+    let known = md.lines().filter(|l| l.starts_with("| diff-v") && (l.contains("reproduced") || l.contains("inconclusive"))).count();
+    assert!(verdicts > 0 && verdicts == known);
+    // the claim on an unmeasurable sweep (N=4 not run in quick mode) is reported as not measured
+    assert!(md.contains("Not measured"));
+    let claims = rep.report_json["claims"].as_array().unwrap();
+    let vl = claims.iter().find(|c| c["id"] == "val_loss").unwrap();
+    assert_eq!(vl["families"]["diff-v1"]["values"].as_array().unwrap().len(), 2);
+    // rerun reuses the finished runs
+    let opts2 = CompareOptions { quick: true, out: dir.path().join("cmp"), families: vec![Family::Baseline, Family::DiffV1], ..Default::default() };
+    let t2 = std::time::Instant::now();
+    run_compare(&opts2).unwrap();
+    assert!(t2.elapsed().as_secs_f64() < t.elapsed().as_secs_f64());
+    assert!(out.join("mixture.json").exists());
+    // a rerun with other settings refuses to mix runs
+    let opts3 = CompareOptions { quick: true, lr: 1e-3, out: dir.path().join("cmp"), ..Default::default() };
+    let e = run_compare(&opts3).unwrap_err();
+    assert!(e.to_string().contains("different settings"), "{e}");
+}
+
+#[test]
+fn bad_budgets_and_families_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = run_compare(&CompareOptions { budget: Budget::Steps(1), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("too small"), "{e}");
+    let e = run_compare(&CompareOptions { budget: Budget::Seconds(1.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("too small"), "{e}");
+    let e = run_compare(&CompareOptions { families: vec![], out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("no families"), "{e}");
+    let e = run_compare(&CompareOptions { seeds: 0, out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("seeds"), "{e}");
+    let e = run_compare(&CompareOptions { preset: "huge".into(), quick: true, out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("huge"), "{e}");
+}
+
+#[test]
+fn budgets_parse() {
+    assert_eq!("300".parse::<Budget>().unwrap(), Budget::Steps(300));
+    assert_eq!("40steps".parse::<Budget>().unwrap(), Budget::Steps(40));
+    assert_eq!("90s".parse::<Budget>().unwrap(), Budget::Seconds(90.0));
+    assert_eq!("15m".parse::<Budget>().unwrap(), Budget::Seconds(900.0));
+    assert_eq!("1h".parse::<Budget>().unwrap(), Budget::Seconds(3600.0));
+    for bad in ["", "x", "-3m", "1.5", "0m", "ten"] {
+        assert!(bad.parse::<Budget>().is_err(), "{bad}");
+    }
+    // 30 s for 9 models is under 5 s each
+    let dir = tempfile::tempdir().unwrap();
+    let e = run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    assert!(e.to_string().contains("too small"), "{e}");
+}
