@@ -46,6 +46,9 @@ enum Command {
     /// Run one of the paper's instruments on a model; writes JSON and a PNG.
     #[command(subcommand)]
     Analyze(analyze::Instrument),
+    /// Train parameter-matched baseline, diff-v1 and diff-v2 models with the same seeds and
+    /// budget, run every instrument on each, and write report.md / report.json / plots.
+    Compare(analyze::CompareArgs),
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
@@ -279,6 +282,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Info(a) => cmd_info(a),
         Command::Export(a) => cmd_export(a),
         Command::Demo(a) => analyze::cmd_demo(a),
+        Command::Compare(a) => analyze::cmd_compare(a),
         Command::Analyze(what) => analyze::cmd_analyze(what),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
             let files = if files.is_empty() { vec![default_data()?] } else { files };
