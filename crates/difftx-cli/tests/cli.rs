@@ -338,3 +338,50 @@ fn bpe_tokenizer_trains_and_serves_training_and_generation() {
     let text = ok(&["generate", "--model", run_dir.to_str().unwrap(), "--prompt", "KING", "--max-new-tokens", "8"]);
     assert!(text.starts_with("KING"), "{text}");
 }
+
+#[test]
+fn compare_quick_writes_a_report_and_analyze_commands_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cmp");
+    let stdout = ok(&["compare", "--quick", "--out", out.to_str().unwrap()]);
+    assert!(stdout.contains("compare report"), "{stdout}");
+    for f in ["report.md", "report.json", "loss_curves.png", "needle_heatmaps.png", "attention_bars.png", "icl_spread.png"] {
+        assert!(out.join(f).is_file(), "missing {f}");
+    }
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let text = report.to_string();
+    for claim in ["outlier_logits", "quant_w4a4", "needle_all", "icl_margin", "attn_answer"] {
+        assert!(text.contains(claim), "report lacks claim {claim}");
+    }
+    // Each instrument on one of the trained models, through the CLI.
+    let model = std::fs::read_dir(out.join("runs")).unwrap().next().unwrap().unwrap().path();
+    let analysis = tmp.path().join("analysis");
+    for (what, extra) in [
+        ("outliers", vec!["--max-tokens", "256"]),
+        ("quantize", vec!["--max-tokens", "256"]),
+        ("needle", vec!["--trials", "1"]),
+        ("attention", vec!["--trials", "1"]),
+        ("icl", vec!["--orders", "2"]),
+    ] {
+        let mut args = vec!["analyze", what, "--model", model.to_str().unwrap(), "--out", analysis.to_str().unwrap()];
+        args.extend(extra);
+        ok(&args);
+        assert!(analysis.join(format!("{what}.json")).is_file(), "{what}.json");
+        assert!(analysis.join(format!("{what}.png")).is_file(), "{what}.png");
+    }
+    // Bad input: unknown instrument, model without a checkpoint, too small a budget.
+    let o = run(&["analyze", "sparkle", "--model", model.to_str().unwrap()]);
+    assert!(!o.status.success());
+    fails_with(&["analyze", "outliers", "--model", tmp.path().to_str().unwrap()], "holds no model");
+    fails_with(&["compare", "--budget", "0", "--out", tmp.path().join("c2").to_str().unwrap()], "budget");
+}
+
+#[test]
+fn demo_prints_the_articles_numbers() {
+    let out = ok(&["demo"]);
+    // The article's numpy script prints these for its seeded synthetic setup.
+    for line in ["Standard Attention SNR: 167.4x", "DiffAttn SNR: 296.6x", "Signal-to-Noise Improvement: 1.8x"] {
+        assert!(out.contains(line), "missing '{line}' in:\n{out}");
+    }
+    fails_with(&["demo", "--npz", "/nonexistent.npz"], "does not exist");
+}
