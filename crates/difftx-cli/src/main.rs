@@ -285,25 +285,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Compare(a) => analyze::cmd_compare(a),
         Command::Analyze(what) => analyze::cmd_analyze(what),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
-            let files = if files.is_empty() { vec![default_data()?] } else { files };
+            let files = if files.is_empty() { vec![difftx_train::data::bundled_corpus()?] } else { files };
             difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
             println!("wrote {}", out.display());
             Ok(())
         }
     }
-}
-
-/// The bundled corpus: `data/shakespeare.txt` in the working folder or the source tree.
-fn default_data() -> Result<PathBuf> {
-    let rel = Path::new("data/shakespeare.txt");
-    if rel.is_file() {
-        return Ok(rel.to_path_buf());
-    }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
-    if src.is_file() {
-        return Ok(src);
-    }
-    bail!("no --data given and the bundled corpus data/shakespeare.txt was not found; pass --data PATH")
 }
 
 fn load_tokenizer(path: Option<&Path>) -> Result<Tokenizer> {
@@ -336,7 +323,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         }
         let data = match &a.data {
             Some(d) => d.clone(),
-            None => default_data()?,
+            None => difftx_train::data::bundled_corpus()?,
         };
         let seq_len = a.seq_len.unwrap_or(model.max_seq_len);
         let opts = TrainOptions {

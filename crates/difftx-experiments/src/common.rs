@@ -27,15 +27,7 @@ pub fn load_model_and_tokenizer(model_dir: &Path) -> Result<(Model, Tokenizer, P
 
 /// The bundled corpus `data/shakespeare.txt` (working folder first, then the source tree).
 pub fn bundled_text_path() -> Result<PathBuf> {
-    let rel = Path::new("data/shakespeare.txt");
-    if rel.is_file() {
-        return Ok(rel.to_path_buf());
-    }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
-    if src.is_file() {
-        return Ok(src);
-    }
-    bail!("no text given and the bundled corpus data/shakespeare.txt was not found; pass a text file")
+    difftx_train::data::bundled_corpus()
 }
 
 /// The evaluation text: `path` (a UTF-8 file) or the bundled corpus. Returns the text and the path

@@ -254,7 +254,11 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let icl_opts = if quick { IclOptions { shots: 4, orders: 3, episodes: 1, queries: 4, ..opts.icl.clone() } } else { opts.icl.clone() };
 
     // Data: one mixture, one dataset, shared by every run.
-    let text = read_corpus(opts.data.as_deref())?;
+    let data_path = match &opts.data {
+        Some(p) => p.clone(),
+        None => crate::mixture::bundled_corpus()?,
+    };
+    let text = read_corpus(Some(&data_path))?;
     let tokens_needed = steps.min(100_000) * batch * seq_len;
     let n_docs = if quick { 200 } else { (tokens_needed / seq_len.max(1)).clamp(2000, 40_000) };
     let docs = build_mixture(&mixture, &text, n_docs, 1234)?;
@@ -263,7 +267,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     std::fs::create_dir_all(&opts.out).with_context(|| format!("cannot create {}", opts.out.display()))?;
     std::fs::write(
         opts.out.join("mixture.json"),
-        serde_json::to_string_pretty(&serde_json::json!({"spec": mixture, "documents": n_docs, "seed": 1234, "text": opts.data.clone().unwrap_or_else(crate::mixture::bundled_corpus)}))?,
+        serde_json::to_string_pretty(&serde_json::json!({"spec": mixture, "documents": n_docs, "seed": 1234, "text": data_path}))?,
     )?;
 
     let mut runs: Vec<Run> = Vec::new();
@@ -276,7 +280,8 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
             let dir = opts.out.join("runs").join(format!("{}-seed{seed}", family.as_str()));
             let topts = TrainOptions {
                 model: cfg.clone(),
-                data: opts.data.clone().unwrap_or_else(crate::mixture::bundled_corpus),
+                // For the record: the runs train on the mixture built from this text (mixture.json).
+                data: data_path.clone(),
                 jsonl_field: "text".into(),
                 tokenizer: None,
                 steps,

@@ -319,12 +319,15 @@ pub fn mixture_counts(spec: &MixtureSpec, n_docs: usize) -> [usize; 3] {
 }
 
 /// The bundled corpus path (`data/shakespeare.txt` at the repository root).
-pub fn bundled_corpus() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt")
+pub fn bundled_corpus() -> Result<std::path::PathBuf> {
+    difftx_train::data::bundled_corpus()
 }
 
 /// Reads `path` or, when None, the bundled corpus, with a clear error.
 pub fn read_corpus(path: Option<&std::path::Path>) -> Result<String> {
-    let p = path.map(|p| p.to_path_buf()).unwrap_or_else(bundled_corpus);
+    let p = match path {
+        Some(p) => p.to_path_buf(),
+        None => bundled_corpus()?,
+    };
     std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read text {}: {e}", p.display()))
 }

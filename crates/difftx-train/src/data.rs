@@ -220,3 +220,17 @@ impl TokenDataset {
         out
     }
 }
+
+/// The bundled default corpus `data/shakespeare.txt`: in the working folder first (a clone's
+/// root), then in the source tree this binary was built from.
+pub fn bundled_corpus() -> anyhow::Result<PathBuf> {
+    let rel = Path::new("data/shakespeare.txt");
+    if rel.is_file() {
+        return Ok(rel.to_path_buf());
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
+    if src.is_file() {
+        return Ok(src);
+    }
+    anyhow::bail!("the bundled corpus data/shakespeare.txt was not found (run from the repository root, or pass a text file)")
+}
