@@ -385,3 +385,25 @@ fn demo_prints_the_articles_numbers() {
     }
     fails_with(&["demo", "--npz", "/nonexistent.npz"], "does not exist");
 }
+
+#[test]
+fn fused_and_reference_kernels_train_the_same_loss_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = small_text(tmp.path());
+    for family in ["baseline", "diff-v1", "diff-v2"] {
+        let cfg = micro_config(tmp.path(), family);
+        let mut curves = Vec::new();
+        for kernels in ["fused", "reference"] {
+            let out = tmp.path().join(format!("{family}-{kernels}"));
+            let mut args = train_args(cfg.to_str().unwrap(), data.to_str().unwrap(), out.to_str().unwrap(), family);
+            args.extend(["--kernels", kernels]);
+            ok(&args);
+            let v: Vec<f64> = losses(&out).iter().map(|(_, l)| l.parse().unwrap()).collect();
+            curves.push(v);
+        }
+        assert_eq!(curves[0].len(), curves[1].len());
+        for (i, (a, b)) in curves[0].iter().zip(&curves[1]).enumerate() {
+            assert!((a - b).abs() <= 1e-3 * a.abs(), "{family}: point {i}: fused {a} vs reference {b}");
+        }
+    }
+}
