@@ -41,6 +41,8 @@ enum Command {
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
+    /// Throughput benchmarks of SPEC §3 (training, decoding, long attention) as JSON.
+    Bench(BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -264,6 +266,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => cmd_logits(a),
         Command::Info(a) => cmd_info(a),
         Command::Export(a) => cmd_export(a),
+        Command::Bench(a) => cmd_bench(a),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
             let files = if files.is_empty() { vec![default_data()?] } else { files };
             difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
@@ -521,5 +524,54 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     if a.print_config {
         println!("{}", serde_json::to_string_pretty(&cfg)?);
     }
+    Ok(())
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Families to benchmark (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "baseline,diff-v1,diff-v2")]
+    families: Vec<Family>,
+    /// Timed training steps per family (after the warmup steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    /// attn-long sequence lengths (comma separated; empty string: skip).
+    #[arg(long, value_delimiter = ',')]
+    attn_lengths: Option<Vec<usize>>,
+    /// Skip the reference-kernel training measurement.
+    #[arg(long)]
+    no_reference: bool,
+    /// A smoke run on small shapes (seconds), not the SPEC shapes.
+    #[arg(long)]
+    quick: bool,
+    /// Internal: run one attn-long measurement in this process and print its JSON.
+    #[arg(long, hide = true, requires = "attn_child_n")]
+    attn_child_family: Option<Family>,
+    #[arg(long, hide = true)]
+    attn_child_n: Option<usize>,
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    if let (Some(family), Some(n)) = (a.attn_child_family, a.attn_child_n) {
+        println!("{}", difftx_train::bench::attn_long_child(family, n, 0)?);
+        return Ok(());
+    }
+    use difftx_train::bench::{run_bench, AttnRunner, BenchOptions};
+    let exe = std::env::current_exe().context("cannot locate the difftx binary for the attn-long child processes")?;
+    let runner = AttnRunner::ChildProcess { exe, args: vec!["bench".into()] };
+    let mut opts = if a.quick { BenchOptions::quick(runner) } else { BenchOptions::full(runner) };
+    opts.families = a.families;
+    opts.attn_families.retain(|f| opts.families.contains(f));
+    if opts.reference_family.is_some_and(|f| !opts.families.contains(&f)) || a.no_reference {
+        opts.reference_family = None;
+    }
+    opts.steps = a.steps.unwrap_or(opts.steps);
+    opts.warmup_steps = a.warmup_steps.unwrap_or(opts.warmup_steps);
+    if let Some(l) = a.attn_lengths {
+        opts.attn_lengths = l;
+    }
+    println!("{}", serde_json::to_string_pretty(&run_bench(&opts)?)?);
     Ok(())
 }

@@ -540,6 +540,16 @@ impl Model {
         ops::rms_norm(&x, Some(&self.norm), self.cfg.norm_eps, kernels)?.reshape((b, t, self.cfg.d_model))
     }
 
+    /// One layer's attention sub-layer alone (no input norm, no residual, no cache) on hidden
+    /// states x: [B, T, D] -> [B, T, D]. The unit of work of the attn-long benchmark.
+    pub fn layer_attention(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+        let (b, t, dm) = x.dims3()?;
+        let Some(block) = self.blocks.get(layer) else { candle_core::bail!("the model has no layer {layer}") };
+        let x = x.reshape((b * t, dm))?;
+        let y = block.attn.forward(&x, (b, t), &self.rope, None, 0, &self.opts, None, self.cfg.head_pairing, self.cfg.subln_eps)?;
+        y.reshape((b, t, dm))
+    }
+
     /// Mean next-token cross-entropy (nats) of logits [B, T, V] against targets [B, T].
     pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (b, t, v) = logits.dims3()?;
