@@ -243,7 +243,9 @@ pub fn attn_long_child(family: Family, n: usize, seed: u64) -> Result<Value> {
     let mut cfg = ModelConfig::preset("bench-s", family)?;
     cfg.n_layers = 1;
     cfg.max_seq_len = n;
-    let (model, _) = build(&cfg, seed)?;
+    // Plain tensors, not Vars: a forward pass without autograd keeps no intermediates alive.
+    let weights: HashMap<String, Tensor> = init_weights(&cfg, seed, DType::F32, &Device::Cpu)?.into_iter().collect();
+    let model = Model::from_weights(&cfg, &weights)?;
     let x = Tensor::randn(0f32, 1.0, (1, n, cfg.d_model), &Device::Cpu)?;
     let (_, rss_before) = rss_mib()?;
     let t0 = Instant::now();
@@ -298,17 +300,23 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     let mut decode = Map::new();
     for &f in &opts.families {
         eprintln!("bench: training {f} ...");
-        train.insert(f.as_str().into(), bench_train(opts, f, Kernels::Fused, opts.steps)?);
+        let r = bench_train(opts, f, Kernels::Fused, opts.steps)?;
+        eprintln!("bench: {r}");
+        train.insert(f.as_str().into(), r);
     }
     let mut reference = Map::new();
     if let Some(f) = opts.reference_family {
         eprintln!("bench: training {f} with reference kernels ...");
-        reference.insert(f.as_str().into(), bench_train(opts, f, Kernels::Reference, opts.reference_steps.max(1))?);
+        let r = bench_train(opts, f, Kernels::Reference, opts.reference_steps.max(1))?;
+        eprintln!("bench: {r}");
+        reference.insert(f.as_str().into(), r);
     }
     if opts.decode_tokens > 0 {
         for &f in &opts.families {
             eprintln!("bench: decoding {f} ...");
-            decode.insert(f.as_str().into(), bench_decode(opts, f)?);
+            let r = bench_decode(opts, f)?;
+            eprintln!("bench: {r}");
+            decode.insert(f.as_str().into(), r);
         }
     }
     let mut ratios = Map::new();
@@ -336,7 +344,9 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         let mut rows = Vec::new();
         for &n in &opts.attn_lengths {
             eprintln!("bench: attn-long {f} N = {n} ...");
-            rows.push(bench_attn(opts, f, n)?);
+            let r = bench_attn(opts, f, n)?;
+            eprintln!("bench: {r}");
+            rows.push(r);
         }
         attn.insert(f.as_str().into(), Value::Array(rows));
     }
