@@ -537,9 +537,12 @@ struct BenchArgs {
     steps: Option<usize>,
     #[arg(long)]
     warmup_steps: Option<usize>,
-    /// attn-long sequence lengths (comma separated; empty string: skip).
+    /// attn-long sequence lengths (comma separated).
     #[arg(long, value_delimiter = ',')]
     attn_lengths: Option<Vec<usize>>,
+    /// Skip the attn-long measurement.
+    #[arg(long)]
+    no_attn: bool,
     /// Skip the reference-kernel training measurement.
     #[arg(long)]
     no_reference: bool,
@@ -554,6 +557,18 @@ struct BenchArgs {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
+    // Thread setup measured on the shared 2-core machines (crates/difftx-train/src/bench.rs docs):
+    // candle's own spinning barrier pool for element-wise ops fights rayon (gemm, our kernels)
+    // for the cores, 2-4x slower steps under load; and without RAYON_NUM_THREADS every matmul
+    // re-reads /proc/cpuinfo. Set before candle's first op; the attn-long children inherit it.
+    // (Candidates for main() so that train/generate get the same.)
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
     if let (Some(family), Some(n)) = (a.attn_child_family, a.attn_child_n) {
         println!("{}", difftx_train::bench::attn_long_child(family, n, 0)?);
         return Ok(());
@@ -571,6 +586,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     opts.warmup_steps = a.warmup_steps.unwrap_or(opts.warmup_steps);
     if let Some(l) = a.attn_lengths {
         opts.attn_lengths = l;
+    }
+    if a.no_attn {
+        opts.attn_lengths.clear();
     }
     println!("{}", serde_json::to_string_pretty(&run_bench(&opts)?)?);
     Ok(())

@@ -13,6 +13,11 @@
 //!   (`VmHWM`) is its own; the figure includes the process baseline (binary, allocator, the
 //!   one-layer model and the input), which is reported separately as `rss_before_forward_mib`.
 //! * `ratios`: DIFF (diff-v1, diff-v2) over baseline step times / decode times.
+//!
+//! Threads: `difftx bench` sets `CANDLE_NUM_THREADS=1` (candle's spinning barrier pool for
+//! element-wise ops otherwise competes with rayon's gemm and kernel threads: on the shared
+//! 2-core machines steps were 2-4x slower under load) and `RAYON_NUM_THREADS` (else candle reads
+//! /proc/cpuinfo on every matmul), unless the caller set them; the report echoes both.
 
 use crate::optim::{grad_norm, AdamW, AdamWParams};
 use anyhow::{bail, Context, Result};
@@ -353,6 +358,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     Ok(json!({
         "engine": "difftx",
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "env": {"CANDLE_NUM_THREADS": std::env::var("CANDLE_NUM_THREADS").ok(), "RAYON_NUM_THREADS": std::env::var("RAYON_NUM_THREADS").ok()},
         "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",
         "train": train,
         "train_reference_kernels": reference,
