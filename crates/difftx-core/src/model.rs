@@ -143,8 +143,11 @@ impl Rope {
         })
     }
 
-    /// Rotates x: [B, T, H, d] at positions offset..offset+T.
-    fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+    /// Rotates x: [B, T, H, d] at positions offset..offset+T (fused kernel or composed ops).
+    fn apply(&self, x: &Tensor, offset: usize, kernels: Kernels) -> Result<Tensor> {
+        if kernels == Kernels::Fused {
+            return difftx_kernels::rope(x, &self.cos, &self.sin, offset, self.style == RopeStyle::Interleaved);
+        }
         let (b, t, h, d) = x.dims4()?;
         let half = d / 2;
         let cos = self.cos.narrow(0, offset, t)?;
@@ -305,8 +308,8 @@ impl Attention {
         let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         // [B, heads, T, d], rotated at absolute positions.
-        let q = rope.apply(&q, offset)?.transpose(1, 2)?.contiguous()?;
-        let k = rope.apply(&k, offset)?.transpose(1, 2)?.contiguous()?;
+        let q = rope.apply(&q, offset, kernels)?.transpose(1, 2)?.contiguous()?;
+        let k = rope.apply(&k, offset, kernels)?.transpose(1, 2)?.contiguous()?;
         let v = v.transpose(1, 2)?.contiguous()?;
         let (k, v) = match cache {
             Some(c) => c.append(&k, &v)?,

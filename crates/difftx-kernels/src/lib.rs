@@ -9,6 +9,8 @@
 //! What this crate owns:
 //! * [`softmax_last_dim`]: softmax over the last dimension.
 //! * [`rms_norm`]: RMSNorm over the last dimension, optional gain.
+//! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
+//!   by -θ.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //!
@@ -22,8 +24,10 @@ mod cpu;
 mod flash;
 mod float;
 mod rms_norm;
+mod rope;
 mod softmax;
 
 pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
+pub use rope::rope;
 pub use softmax::softmax_last_dim;
