@@ -414,7 +414,11 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor, opts: &RunOptions) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&linear(x, &self.gate, opts)?)? * linear(x, &self.up, opts)?)?;
+        let (gate, up) = (linear(x, &self.gate, opts)?, linear(x, &self.up, opts)?);
+        let h = match opts.kernels {
+            Kernels::Fused => difftx_kernels::swiglu(&gate, &up)?,
+            Kernels::Reference => (candle_nn::ops::silu(&gate)? * up)?,
+        };
         linear(&h, &self.down, opts)
     }
 }

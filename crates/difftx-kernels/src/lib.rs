@@ -11,6 +11,7 @@
 //! * [`rms_norm`]: RMSNorm over the last dimension, optional gain.
 //! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
 //!   by -θ.
+//! * [`swiglu`]: silu(gate) · up, the SwiGLU gate.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //!
@@ -26,8 +27,10 @@ mod float;
 mod rms_norm;
 mod rope;
 mod softmax;
+mod swiglu;
 
 pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use softmax::softmax_last_dim;
+pub use swiglu::swiglu;
