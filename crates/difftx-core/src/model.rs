@@ -360,9 +360,19 @@ impl Attention {
                 }
                 let o1 = attend(&q1, &k1, &v)?;
                 let o2 = attend(&q2, &k2, &v)?;
-                let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
-                let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
-                (o * (1.0 - lambda_init))?
+                if kernels == Kernels::Fused {
+                    // One pass for o1 - λ·o2; the (1 - λ_init) factor folded into the norm gain.
+                    let o = difftx_kernels::diff_combine(&o1, &o2, &lambda)?; // [B, H/2, T, 2d]
+                    let gain = match subln {
+                        Some(g) => (g * (1.0 - lambda_init))?,
+                        None => Tensor::full(1.0 - lambda_init, 2 * d, o.device())?.to_dtype(o.dtype())?,
+                    };
+                    ops::rms_norm(&o, Some(&gain), subln_eps, kernels)?
+                } else {
+                    let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
+                    let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
+                    (o * (1.0 - lambda_init))?
+                }
             }
             AttnKind::DiffV2 { lambda_proj } => {
                 // One attention over 2H query heads; pair j = heads (2j, 2j+1) (SPEC §1.3).

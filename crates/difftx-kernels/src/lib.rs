@@ -12,6 +12,7 @@
 //! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
 //!   by -θ.
 //! * [`swiglu`]: silu(gate) · up, the SwiGLU gate.
+//! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //!
@@ -22,6 +23,7 @@
 //! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
 mod cpu;
+mod diff_combine;
 mod flash;
 mod float;
 mod rms_norm;
@@ -29,6 +31,7 @@ mod rope;
 mod softmax;
 mod swiglu;
 
+pub use diff_combine::diff_combine;
 pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
