@@ -52,6 +52,8 @@ enum Command {
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
+    /// Throughput benchmarks of SPEC §3 (training, decoding, long attention) as JSON.
+    Bench(BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -265,7 +267,23 @@ struct InfoArgs {
     print_config: bool,
 }
 
+/// Thread setup, measured on the 2-core machines (crates/difftx-train/src/bench.rs docs): candle's
+/// own spinning thread pool for element-wise ops fights rayon (gemm, the fused kernels) for the
+/// cores, making steps 2-4x slower under load; and without RAYON_NUM_THREADS every candle matmul
+/// re-reads /proc/cpuinfo. Must run before candle's first op; child processes inherit it. A value
+/// the user set wins.
+fn configure_threads() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 fn main() {
+    configure_threads();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -284,6 +302,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => analyze::cmd_demo(a),
         Command::Compare(a) => analyze::cmd_compare(a),
         Command::Analyze(what) => analyze::cmd_analyze(what),
+        Command::Bench(a) => cmd_bench(a),
         Command::Tokenizer(TokenizerCommand::Train { vocab, out, files }) => {
             let files = if files.is_empty() { vec![difftx_train::data::bundled_corpus()?] } else { files };
             difftx_core::tokenizer::train_bpe(&files, vocab, &out)?;
@@ -539,5 +558,60 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     if a.print_config {
         println!("{}", serde_json::to_string_pretty(&cfg)?);
     }
+    Ok(())
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Families to benchmark (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "baseline,diff-v1,diff-v2")]
+    families: Vec<Family>,
+    /// Timed training steps per family (after the warmup steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    /// attn-long sequence lengths (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    attn_lengths: Option<Vec<usize>>,
+    /// Skip the attn-long measurement.
+    #[arg(long)]
+    no_attn: bool,
+    /// Skip the reference-kernel training measurement.
+    #[arg(long)]
+    no_reference: bool,
+    /// A smoke run on small shapes (seconds), not the SPEC shapes.
+    #[arg(long)]
+    quick: bool,
+    /// Internal: run one attn-long measurement in this process and print its JSON.
+    #[arg(long, hide = true, requires = "attn_child_n")]
+    attn_child_family: Option<Family>,
+    #[arg(long, hide = true)]
+    attn_child_n: Option<usize>,
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    if let (Some(family), Some(n)) = (a.attn_child_family, a.attn_child_n) {
+        println!("{}", difftx_train::bench::attn_long_child(family, n, 0)?);
+        return Ok(());
+    }
+    use difftx_train::bench::{run_bench, AttnRunner, BenchOptions};
+    let exe = std::env::current_exe().context("cannot locate the difftx binary for the attn-long child processes")?;
+    let runner = AttnRunner::ChildProcess { exe, args: vec!["bench".into()] };
+    let mut opts = if a.quick { BenchOptions::quick(runner) } else { BenchOptions::full(runner) };
+    opts.families = a.families;
+    opts.attn_families.retain(|f| opts.families.contains(f));
+    if opts.reference_family.is_some_and(|f| !opts.families.contains(&f)) || a.no_reference {
+        opts.reference_family = None;
+    }
+    opts.steps = a.steps.unwrap_or(opts.steps);
+    opts.warmup_steps = a.warmup_steps.unwrap_or(opts.warmup_steps);
+    if let Some(l) = a.attn_lengths {
+        opts.attn_lengths = l;
+    }
+    if a.no_attn {
+        opts.attn_lengths.clear();
+    }
+    println!("{}", serde_json::to_string_pretty(&run_bench(&opts)?)?);
     Ok(())
 }

@@ -407,3 +407,20 @@ fn fused_and_reference_kernels_train_the_same_loss_curve() {
         }
     }
 }
+
+#[test]
+fn bench_quick_reports_json_with_child_process_memory() {
+    let out = ok(&["bench", "--quick", "--families", "baseline,diff-v1"]);
+    let r: serde_json::Value = serde_json::from_str(&out).expect("bench prints JSON");
+    for f in ["baseline", "diff-v1"] {
+        assert!(r["train"][f]["tokens_per_sec"].as_f64().unwrap() > 0.0, "{f}");
+        assert!(r["decode"][f]["tokens_per_sec"].as_f64().unwrap() > 0.0, "{f}");
+        for row in r["attn_long"][f].as_array().unwrap() {
+            // Measured in a child process (no in-process flag), peak at least the baseline.
+            assert!(row.get("in_process").is_none(), "{row}");
+            assert!(row["peak_rss_mib"].as_f64().unwrap() >= row["rss_before_forward_mib"].as_f64().unwrap(), "{row}");
+        }
+    }
+    assert_eq!(r["env"]["CANDLE_NUM_THREADS"].as_str(), Some("1"));
+    assert!(r["ratios"]["train_step_time_diff-v1_over_baseline"].as_f64().unwrap() > 0.0);
+}

@@ -143,8 +143,11 @@ impl Rope {
         })
     }
 
-    /// Rotates x: [B, T, H, d] at positions offset..offset+T.
-    fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+    /// Rotates x: [B, T, H, d] at positions offset..offset+T (fused kernel or composed ops).
+    fn apply(&self, x: &Tensor, offset: usize, kernels: Kernels) -> Result<Tensor> {
+        if kernels == Kernels::Fused {
+            return difftx_kernels::rope(x, &self.cos, &self.sin, offset, self.style == RopeStyle::Interleaved);
+        }
         let (b, t, h, d) = x.dims4()?;
         let half = d / 2;
         let cos = self.cos.narrow(0, offset, t)?;
@@ -367,8 +370,8 @@ impl Attention {
         let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         // [B, heads, T, d], rotated at absolute positions.
-        let q = rope.apply(&q, offset)?.transpose(1, 2)?.contiguous()?;
-        let k = rope.apply(&k, offset)?.transpose(1, 2)?.contiguous()?;
+        let q = rope.apply(&q, offset, kernels)?.transpose(1, 2)?.contiguous()?;
+        let k = rope.apply(&k, offset, kernels)?.transpose(1, 2)?.contiguous()?;
         let v = v.transpose(1, 2)?.contiguous()?;
         let (k, v) = match cache {
             Some(c) => c.append(&k, &v)?,
@@ -419,9 +422,19 @@ impl Attention {
                 }
                 let o1 = attend(&q1, &k1, &v)?;
                 let o2 = attend(&q2, &k2, &v)?;
-                let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
-                let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
-                (o * (1.0 - lambda_init))?
+                if kernels == Kernels::Fused {
+                    // One pass for o1 - λ·o2; the (1 - λ_init) factor folded into the norm gain.
+                    let o = difftx_kernels::diff_combine(&o1, &o2, &lambda)?; // [B, H/2, T, 2d]
+                    let gain = match subln {
+                        Some(g) => (g * (1.0 - lambda_init))?,
+                        None => Tensor::full(1.0 - lambda_init, 2 * d, o.device())?.to_dtype(o.dtype())?,
+                    };
+                    ops::rms_norm(&o, Some(&gain), subln_eps, kernels)?
+                } else {
+                    let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
+                    let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
+                    (o * (1.0 - lambda_init))?
+                }
             }
             AttnKind::DiffV2 { lambda_proj } => {
                 // One attention over 2H query heads; pair j = heads (2j, 2j+1) (SPEC §1.3).
@@ -473,7 +486,11 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor, opts: &RunOptions) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&linear(x, &self.gate, opts)?)? * linear(x, &self.up, opts)?)?;
+        let (gate, up) = (linear(x, &self.gate, opts)?, linear(x, &self.up, opts)?);
+        let h = match opts.kernels {
+            Kernels::Fused => difftx_kernels::swiglu(&gate, &up)?,
+            Kernels::Reference => (candle_nn::ops::silu(&gate)? * up)?,
+        };
         linear(&h, &self.down, opts)
     }
 }
@@ -600,6 +617,16 @@ impl Model {
             }
         }
         ops::rms_norm(&x, Some(&self.norm), self.cfg.norm_eps, kernels)?.reshape((b, t, self.cfg.d_model))
+    }
+
+    /// One layer's attention sub-layer alone (no input norm, no residual, no cache) on hidden
+    /// states x: [B, T, D] -> [B, T, D]. The unit of work of the attn-long benchmark.
+    pub fn layer_attention(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+        let (b, t, dm) = x.dims3()?;
+        let Some(block) = self.blocks.get(layer) else { candle_core::bail!("the model has no layer {layer}") };
+        let x = x.reshape((b * t, dm))?;
+        let y = block.attn.forward(&x, (b, t), &self.rope, None, 0, &self.opts, None, self.cfg.head_pairing, self.cfg.subln_eps)?;
+        y.reshape((b, t, dm))
     }
 
     /// Mean next-token cross-entropy (nats) of logits [B, T, V] against targets [B, T].

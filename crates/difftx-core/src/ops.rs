@@ -10,7 +10,8 @@ use candle_core::{DType, Device, Result, Tensor, D};
 pub enum Kernels {
     /// Composed candle ops (autograd through every primitive).
     Reference,
-    /// difftx-kernels custom ops with their own backward (flash attention, softmax, RMSNorm).
+    /// difftx-kernels custom ops with their own backward (flash attention, softmax, RMSNorm,
+    /// RoPE).
     #[default]
     Fused,
 }

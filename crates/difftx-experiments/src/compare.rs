@@ -107,13 +107,11 @@ pub struct CompareOptions {
 }
 
 /// Default steps per model, sized for ~15 minutes on 2 idle cores with the tiny preset:
-/// 90 steps × 8 × 256 tokens = 184k tokens per model. Measured at batch 8 × 256 (on 2 shared
-/// cores at load ~10): baseline 432, diff-v1 392, diff-v2 220 tokens/s, i.e. diff-v1 ≈ 0.9× and
-/// diff-v2 ≈ 0.5× the baseline's speed; with the baseline at ~3k tokens/s on idle cores that is
-/// ~61 + 68 + 120 s per seed, ~12.5 minutes for 3 seeds, plus validation and instruments
-/// (~1–2 minutes). On a loaded machine it takes proportionally longer; `--budget 15m` bounds
-/// the training time instead.
-pub const DEFAULT_STEPS: usize = 90;
+/// 350 steps × 8 × 256 tokens = 717k tokens per model. With the fused kernels the tiny preset
+/// trains at roughly 10k tokens/s at this shape on 2 idle cores, so 9 models take ~11 minutes, plus
+/// validation and instruments (~3–4 minutes): about 15 minutes in all. On a loaded machine it
+/// takes proportionally longer; `--budget 15m` bounds the training time instead.
+pub const DEFAULT_STEPS: usize = 350;
 
 impl Default for CompareOptions {
     fn default() -> Self {

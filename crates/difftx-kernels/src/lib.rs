@@ -9,6 +9,10 @@
 //! What this crate owns:
 //! * [`softmax_last_dim`]: softmax over the last dimension.
 //! * [`rms_norm`]: RMSNorm over the last dimension, optional gain.
+//! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
+//!   by -θ.
+//! * [`swiglu`]: silu(gate) · up, the SwiGLU gate.
+//! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //!
@@ -19,11 +23,17 @@
 //! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
 mod cpu;
+mod diff_combine;
 mod flash;
 mod float;
 mod rms_norm;
+mod rope;
 mod softmax;
+mod swiglu;
 
+pub use diff_combine::diff_combine;
 pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
+pub use rope::rope;
 pub use softmax::softmax_last_dim;
+pub use swiglu::swiglu;

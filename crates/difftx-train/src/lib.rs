@@ -1,8 +1,10 @@
 //! difftx-train: everything needed to train a difftx model and nothing else — reading and
 //! splitting training text (`data`), AdamW and the learning-rate schedule (`optim`), and the
-//! resumable training loop with its run folder and checkpoints (`trainer`). It builds on the public
+//! resumable training loop with its run folder and checkpoints (`trainer`), and the throughput
+//! benchmarks of SPEC §3 (`bench`). It builds on the public
 //! API of difftx-core and never parses command lines.
 
+pub mod bench;
 pub mod data;
 pub mod optim;
 pub mod trainer;

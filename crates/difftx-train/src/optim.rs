@@ -3,7 +3,7 @@
 //! run continues exactly.
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{CpuStorage, DType, Layout, Storage, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -25,9 +25,136 @@ impl Default for AdamWParams {
 struct Slot {
     name: String,
     var: Var,
-    m: Tensor,
-    v: Tensor,
+    /// First and second moments, in the parameter's dtype, updated in place.
+    moments: Moments,
     decay: bool,
+}
+
+/// Optimizer moments as plain buffers (the fused step updates them in place, no allocation).
+enum Moments {
+    F32 { m: Vec<f32>, v: Vec<f32> },
+    F64 { m: Vec<f64>, v: Vec<f64> },
+}
+
+impl Moments {
+    fn zeros(dtype: DType, n: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => Moments::F32 { m: vec![0.0; n], v: vec![0.0; n] },
+            DType::F64 => Moments::F64 { m: vec![0.0; n], v: vec![0.0; n] },
+            dt => bail!("AdamW supports f32 and f64 parameters, got {dt:?}"),
+        })
+    }
+
+    fn tensors(&self, shape: &[usize]) -> Result<(Tensor, Tensor)> {
+        let dev = candle_core::Device::Cpu;
+        Ok(match self {
+            Moments::F32 { m, v } => (Tensor::from_slice(m, shape, &dev)?, Tensor::from_slice(v, shape, &dev)?),
+            Moments::F64 { m, v } => (Tensor::from_slice(m, shape, &dev)?, Tensor::from_slice(v, shape, &dev)?),
+        })
+    }
+
+    fn set(&mut self, which: &str, t: &Tensor) -> Result<()> {
+        let flat = t.flatten_all()?;
+        match self {
+            Moments::F32 { m, v } => *(if which == "m" { m } else { v }) = flat.to_dtype(DType::F32)?.to_vec1()?,
+            Moments::F64 { m, v } => *(if which == "m" { m } else { v }) = flat.to_dtype(DType::F64)?.to_vec1()?,
+        }
+        Ok(())
+    }
+}
+
+/// Scalars of one AdamW update, shared by every element.
+#[derive(Debug, Clone, Copy)]
+struct StepScalars {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    bc1: f64,
+    bc2: f64,
+    lr: f64,
+    /// 1 - lr * weight_decay for decayed parameters, else 1.
+    keep: f64,
+}
+
+/// The fused AdamW update over flat slices of one parameter (all the same length), in place:
+///   m = b1·m + (1-b1)·g;  v = b2·v + (1-b2)·g²
+///   θ = θ·keep - lr · (m / bc1) / (sqrt(v / bc2) + eps)
+/// Element-wise, so the result does not depend on how the work is split between threads.
+fn adamw_slices<T: AdamFloat>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T], k: StepScalars) {
+    use rayon::prelude::*;
+    let c = |x: f64| T::of(x);
+    let (b1, b2, ob1, ob2, eps, lr, keep) = (c(k.beta1), c(k.beta2), c(1.0 - k.beta1), c(1.0 - k.beta2), c(k.eps), c(k.lr), c(k.keep));
+    let (ibc1, ibc2) = (c(1.0 / k.bc1), c(1.0 / k.bc2));
+    const CHUNK: usize = 1 << 14;
+    theta
+        .par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((th, g), (m, v))| {
+            for (((t, &g), m), v) in th.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let mn = b1 * *m + ob1 * g;
+                let vn = b2 * *v + ob2 * g * g;
+                *m = mn;
+                *v = vn;
+                *t = *t * keep - lr * (mn * ibc1) / ((vn * ibc2).sqrt() + eps);
+            }
+        });
+}
+
+/// f32 / f64 arithmetic the fused step needs.
+trait AdamFloat:
+    Copy + Send + Sync + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self>
+{
+    fn of(x: f64) -> Self;
+    fn sqrt(self) -> Self;
+    fn sq_f64(self) -> f64;
+}
+impl AdamFloat for f32 {
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn sq_f64(self) -> f64 {
+        (self as f64) * (self as f64)
+    }
+}
+impl AdamFloat for f64 {
+    fn of(x: f64) -> Self {
+        x
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn sq_f64(self) -> f64 {
+        self * self
+    }
+}
+
+/// candle glue: updates the parameter's storage in place from the gradient and the moments.
+struct AdamWOp<'a> {
+    moments: std::cell::RefCell<&'a mut Moments>,
+    k: StepScalars,
+}
+
+impl candle_core::InplaceOp2 for AdamWOp<'_> {
+    fn name(&self) -> &'static str {
+        "difftx-adamw"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (Some((a1, e1)), Some((a2, e2))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("difftx-adamw: parameter and gradient must be contiguous");
+        };
+        let mut moments = self.moments.borrow_mut();
+        match (s1, s2, &mut **moments) {
+            (CpuStorage::F32(th), CpuStorage::F32(g), Moments::F32 { m, v }) => adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k),
+            (CpuStorage::F64(th), CpuStorage::F64(g), Moments::F64 { m, v }) => adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k),
+            _ => candle_core::bail!("difftx-adamw: parameter, gradient and moments must share one dtype (f32 or f64)"),
+        }
+        Ok(())
+    }
 }
 
 pub struct AdamW {
@@ -41,8 +168,11 @@ impl AdamW {
         let slots = vars
             .iter()
             .map(|(name, var)| {
-                let zeros = var.as_tensor().zeros_like()?;
-                Ok(Slot { name: name.clone(), var: var.clone(), m: zeros.clone(), v: zeros, decay: var.as_tensor().rank() >= 2 })
+                let t = var.as_tensor();
+                if !t.is_contiguous() {
+                    bail!("AdamW: parameter '{name}' is not contiguous");
+                }
+                Ok(Slot { name: name.clone(), var: var.clone(), moments: Moments::zeros(t.dtype(), t.elem_count())?, decay: t.rank() >= 2 })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(AdamW { params, slots, step: 0 })
@@ -53,7 +183,8 @@ impl AdamW {
         self.step
     }
 
-    /// One update with learning rate `lr` from `grads` (missing gradients count as zero).
+    /// One update with learning rate `lr` from `grads` (missing gradients count as zero): one
+    /// fused in-place pass per parameter over θ, m, v and the gradient.
     pub fn step(&mut self, grads: &candle_core::backprop::GradStore, lr: f64) -> Result<()> {
         self.step += 1;
         let AdamWParams { beta1, beta2, eps, weight_decay } = self.params;
@@ -61,22 +192,25 @@ impl AdamW {
         let bc2 = 1.0 - beta2.powi(self.step as i32);
         for slot in self.slots.iter_mut() {
             let Some(g) = grads.get(slot.var.as_tensor()) else { continue };
-            slot.m = ((&slot.m * beta1)? + (g * (1.0 - beta1))?)?;
-            slot.v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let update = ((&slot.m / bc1)? / ((&slot.v / bc2)?.sqrt()? + eps)?)?;
             let theta = slot.var.as_tensor();
-            let decayed = if slot.decay { (theta * (1.0 - lr * weight_decay))? } else { theta.clone() };
-            slot.var.set(&(decayed - (update * lr)?)?)?;
+            if g.dims() != theta.dims() {
+                bail!("AdamW: gradient of '{}' has shape {:?}, the parameter {:?}", slot.name, g.dims(), theta.dims());
+            }
+            let g = g.to_dtype(theta.dtype())?.contiguous()?;
+            let keep = if slot.decay { 1.0 - lr * weight_decay } else { 1.0 };
+            let k = StepScalars { beta1, beta2, eps, bc1, bc2, lr, keep };
+            theta.inplace_op2(&g, &AdamWOp { moments: std::cell::RefCell::new(&mut slot.moments), k })?;
         }
         Ok(())
     }
 
-    /// Moments and step as named tensors (`m.NAME`, `v.NAME`, `step`).
+/// Moments and step as named tensors (`m.NAME`, `v.NAME`, `step`).
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(2 * self.slots.len() + 1);
         for s in &self.slots {
-            out.push((format!("m.{}", s.name), s.m.clone()));
-            out.push((format!("v.{}", s.name), s.v.clone()));
+            let (m, v) = s.moments.tensors(s.var.as_tensor().dims())?;
+            out.push((format!("m.{}", s.name), m));
+            out.push((format!("v.{}", s.name), v));
         }
         out.push(("step".into(), Tensor::new(&[self.step as u32], &candle_core::Device::Cpu)?));
         Ok(out)
@@ -85,13 +219,14 @@ impl AdamW {
     /// Restores state saved by `state_tensors`; every parameter must be present with its shape.
     pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         for s in self.slots.iter_mut() {
-            for (key, slot) in [("m", &mut s.m), ("v", &mut s.v)] {
+            let dims = s.var.as_tensor().dims().to_vec();
+            for key in ["m", "v"] {
                 let name = format!("{key}.{}", s.name);
                 let t = state.get(&name).with_context(|| format!("optimizer state lacks '{name}'"))?;
-                if t.dims() != slot.dims() {
-                    bail!("optimizer state '{name}' has shape {:?}, expected {:?}", t.dims(), slot.dims());
+                if t.dims() != dims.as_slice() {
+                    bail!("optimizer state '{name}' has shape {:?}, expected {:?}", t.dims(), dims);
                 }
-                *slot = t.to_dtype(slot.dtype())?;
+                s.moments.set(key, t)?;
             }
         }
         let step = state.get("step").context("optimizer state lacks 'step'")?;
@@ -101,15 +236,32 @@ impl AdamW {
 }
 
 
-/// Global L2 norm of all gradients, and the factor that clips it to `max_norm` (1.0 if below).
+/// Global L2 norm of all gradients (sums of squares in f64, in a fixed order: deterministic).
 pub fn grad_norm(grads: &candle_core::backprop::GradStore, vars: &[(String, Var)]) -> Result<f64> {
     let mut total = 0.0f64;
     for (_, var) in vars {
         if let Some(g) = grads.get(var.as_tensor()) {
-            total += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            total += sum_sq_f64(g)?;
         }
     }
     Ok(total.sqrt())
+}
+
+/// Σ x² of a CPU f32/f64 tensor, accumulated in f64 over fixed chunks.
+fn sum_sq_f64(t: &Tensor) -> Result<f64> {
+    fn chunks<T: AdamFloat>(x: &[T]) -> f64 {
+        use rayon::prelude::*;
+        let parts: Vec<f64> = x.par_chunks(1 << 14).map(|c| c.iter().map(|v| v.sq_f64()).sum::<f64>()).collect();
+        parts.iter().sum()
+    }
+    let t = t.contiguous()?;
+    let (st, l) = t.storage_and_layout();
+    let Some((a, e)) = l.contiguous_offsets() else { bail!("grad_norm: non-contiguous gradient") };
+    Ok(match &*st {
+        Storage::Cpu(CpuStorage::F32(x)) => chunks(&x[a..e]),
+        Storage::Cpu(CpuStorage::F64(x)) => chunks(&x[a..e]),
+        _ => t.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -174,6 +326,68 @@ mod tests {
         let l = Schedule { decay: Decay::Linear, ..s };
         assert!((l.lr(60) - 0.55).abs() < 1e-12);
         assert!((l.lr(35) - 0.775).abs() < 1e-12);
+    }
+
+    /// The update as composed tensor ops (the formula the fused pass implements).
+    fn composed_step(theta: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, step: usize, lr: f64, decay: bool, p: AdamWParams) -> (Tensor, Tensor, Tensor) {
+        let bc1 = 1.0 - p.beta1.powi(step as i32);
+        let bc2 = 1.0 - p.beta2.powi(step as i32);
+        let m = ((m * p.beta1).unwrap() + (g * (1.0 - p.beta1)).unwrap()).unwrap();
+        let v = ((v * p.beta2).unwrap() + (g.sqr().unwrap() * (1.0 - p.beta2)).unwrap()).unwrap();
+        let update = ((&m / bc1).unwrap() / ((&v / bc2).unwrap().sqrt().unwrap() + p.eps).unwrap()).unwrap();
+        let decayed = if decay { (theta * (1.0 - lr * p.weight_decay)).unwrap() } else { theta.clone() };
+        ((decayed - (update * lr).unwrap()).unwrap(), m, v)
+    }
+
+    #[test]
+    fn fused_adamw_equals_composed_ops_over_several_steps() {
+        let dev = Device::Cpu;
+        let p = AdamWParams { beta1: 0.8, beta2: 0.9, eps: 1e-6, weight_decay: 0.3 };
+        // Awkward shapes: a matrix (decayed, strided gradient via a transpose, crosses the
+        // parallel chunk size) and a short vector (not decayed); f64 and f32.
+        for dt in [DType::F64, DType::F32] {
+            let w0 = Tensor::randn(0f32, 1.0, (131, 127), &dev).unwrap().to_dtype(dt).unwrap();
+            let b0 = Tensor::randn(0f32, 1.0, 7, &dev).unwrap().to_dtype(dt).unwrap();
+            let (w, b) = (Var::from_tensor(&w0).unwrap(), Var::from_tensor(&b0).unwrap());
+            let vars = vec![("w".to_string(), w.clone()), ("b".to_string(), b.clone())];
+            let mut opt = AdamW::new(&vars, p).unwrap();
+            let (mut rw, mut rb) = (w0.clone(), b0.clone());
+            let (mut mw, mut vw, mut mb, mut vb) = (w0.zeros_like().unwrap(), w0.zeros_like().unwrap(), b0.zeros_like().unwrap(), b0.zeros_like().unwrap());
+            for step in 1..=4 {
+                let cw = Tensor::randn(0f32, 1.0, (127, 131), &dev).unwrap().to_dtype(dt).unwrap();
+                let cb = Tensor::randn(0f32, 1.0, 7, &dev).unwrap().to_dtype(dt).unwrap();
+                // loss = Σ w ⊙ cwᵀ + Σ b² ⊙ cb: gradient cwᵀ (a strided view) and 2 b ⊙ cb.
+                let loss = ((w.as_tensor() * cw.t().unwrap()).unwrap().sum_all().unwrap()
+                    + (b.as_tensor().sqr().unwrap() * &cb).unwrap().sum_all().unwrap())
+                .unwrap();
+                let gb = ((&rb * 2.0).unwrap() * &cb).unwrap();
+                let grads = loss.backward().unwrap();
+                let lr = 0.01 * step as f64;
+                opt.step(&grads, lr).unwrap();
+                (rw, mw, vw) = composed_step(&rw, &mw, &vw, &cw.t().unwrap(), step, lr, true, p);
+                (rb, mb, vb) = composed_step(&rb, &mb, &vb, &gb, step, lr, false, p);
+            }
+            let tol = if dt == DType::F64 { 1e-12 } else { 2e-5 };
+            let err = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().max_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+            assert!(err(w.as_tensor(), &rw) < tol, "{dt:?} w: {}", err(w.as_tensor(), &rw));
+            assert!(err(b.as_tensor(), &rb) < tol, "{dt:?} b: {}", err(b.as_tensor(), &rb));
+            assert!(err(b.as_tensor(), &b0) > 0.01, "{dt:?}: the parameter did not move");
+            let state: HashMap<String, Tensor> = opt.state_tensors().unwrap().into_iter().collect();
+            assert!(err(&state["m.w"], &mw) < tol && err(&state["v.w"], &vw) < tol, "{dt:?} moments of w");
+            assert!(err(&state["m.b"], &mb) < tol && err(&state["v.b"], &vb) < tol, "{dt:?} moments of b");
+        }
+    }
+
+    #[test]
+    fn grad_norm_equals_composed_sum_of_squares() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (300, 77), &dev).unwrap()).unwrap();
+        let c = Tensor::randn(0f32, 1.0, (77, 300), &dev).unwrap();
+        let loss = (w.as_tensor() * c.t().unwrap()).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let got = grad_norm(&grads, &[("w".into(), w)]).unwrap();
+        let want = c.to_dtype(DType::F64).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+        assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
     }
 
     #[test]

@@ -1,0 +1,115 @@
+//! Rotary position embedding (RoPE), forward and backward, in one pass each.
+//!
+//! Layout: `x`, `y` are row-major `[B, T, H, d]` (d even, half = d/2); `cos`, `sin` are the
+//! tables `[L, half]` for absolute positions 0..L, and row t of `x` sits at position t + offset.
+//! Pairs are (2i, 2i+1) (`interleaved`, GPT-J) or (i, i + half) (rotate-half, GPT-NeoX):
+//!   y_a = x_a·cos θ - x_b·sin θ,   y_b = x_a·sin θ + x_b·cos θ     (θ = θ[t + offset, i])
+//! The backward is the rotation by -θ (the same kernel with sin negated): the map is orthogonal.
+
+use crate::cpu::{min_rows, storage_slice, with_slice};
+use crate::float::Float;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// RoPE of x: [B, T, H, d] at positions offset..offset+T from tables cos, sin: [L, d/2], with
+/// backward for x (the tables get no gradient). f32 and f64; tables in x's dtype.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F32 | DType::F64 => {}
+        dt => bail!("difftx_kernels::rope: unsupported dtype {dt:?} (f32, f64 only)"),
+    }
+    let (_, t, _, d) = x.dims4()?;
+    if d % 2 != 0 {
+        bail!("difftx_kernels::rope: head dim {d} is odd");
+    }
+    let (l, half) = cos.dims2()?;
+    if half != d / 2 || sin.dims() != cos.dims() {
+        bail!("difftx_kernels::rope: tables {:?} / {:?} do not match head dim {d}", cos.dims(), sin.dims());
+    }
+    if offset + t > l {
+        bail!("difftx_kernels::rope: positions up to {} exceed the table length {l}", offset + t);
+    }
+    if cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
+        bail!("difftx_kernels::rope: table dtype differs from x dtype {:?}", x.dtype());
+    }
+    let op = Rope { cos: cos.narrow(0, offset, t)?.contiguous()?, sin: sin.narrow(0, offset, t)?.contiguous()?, interleaved, inverse: false };
+    x.contiguous()?.apply_op1(op)
+}
+
+struct Rope {
+    /// [T, half], already narrowed to the positions of x.
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    /// Rotate by -θ (the backward).
+    inverse: bool,
+}
+
+/// The kernel: x, y [B, T, H, d]; cos, sin [T, half].
+pub(crate) fn rope_kernel<T: Float>(x: &[T], y: &mut [T], cos: &[T], sin: &[T], dims: (usize, usize, usize, usize), interleaved: bool, inverse: bool) {
+    let (_, t, h, d) = dims;
+    let half = d / 2;
+    if d == 0 || t == 0 || h == 0 {
+        return;
+    }
+    let row = h * d; // one (b, t) position
+    y.par_chunks_mut(row)
+        .zip(x.par_chunks(row))
+        .enumerate()
+        .with_min_len(min_rows(row, 8192))
+        .for_each(|(bt, (yr, xr))| {
+            let tt = bt % t;
+            let c = &cos[tt * half..(tt + 1) * half];
+            let s = &sin[tt * half..(tt + 1) * half];
+            for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
+                if interleaved {
+                    for i in 0..half {
+                        let (a, b) = (xh[2 * i], xh[2 * i + 1]);
+                        let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+                        yh[2 * i] = a * c[i] - b * sn;
+                        yh[2 * i + 1] = a * sn + b * c[i];
+                    }
+                } else {
+                    let (ya, yb) = yh.split_at_mut(half);
+                    let (xa, xb) = xh.split_at(half);
+                    for i in 0..half {
+                        let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+                        ya[i] = xa[i] * c[i] - xb[i] * sn;
+                        yb[i] = xa[i] * sn + xb[i] * c[i];
+                    }
+                }
+            }
+        });
+}
+
+fn fwd_typed<T: Float>(op: &Rope, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    let x = storage_slice::<T>(s, l)?;
+    let dims = l.shape().dims4()?;
+    let mut y = vec![T::ZERO; x.len()];
+    with_slice::<T, _>(&op.cos, |c| with_slice::<T, _>(&op.sin, |sn| {
+        rope_kernel(x, &mut y, c, sn, dims, op.interleaved, op.inverse);
+        Ok(())
+    }))?;
+    Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "difftx-rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        match s.dtype() {
+            DType::F32 => fwd_typed::<f32>(self, s, l),
+            DType::F64 => fwd_typed::<f64>(self, s, l),
+            dt => bail!("difftx-rope: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let inv = Rope { cos: self.cos.clone(), sin: self.sin.clone(), interleaved: self.interleaved, inverse: !self.inverse };
+        let g = grad_res.to_dtype(arg.dtype())?.contiguous()?;
+        Ok(Some(g.apply_op1_no_bwd(&inv)?))
+    }
+}

@@ -1,0 +1,57 @@
+//! diff-v1's o1 - λ·o2 against composed candle ops and f64 finite differences.
+
+mod common;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::{finite_diff, flat, max_rel_vec, rand_t, rel_err};
+
+#[test]
+fn forward_and_backward_match_composed_ops() {
+    for dt in [DType::F32, DType::F64] {
+        for (i, dims) in [vec![1usize], vec![2, 3, 5, 6], vec![3, 9001]].into_iter().enumerate() {
+            let o1 = Var::from_tensor(&rand_t(&dims, 1 + i as u64, 1.0, dt).unwrap()).unwrap();
+            let o2 = Var::from_tensor(&rand_t(&dims, 11 + i as u64, 1.0, dt).unwrap()).unwrap();
+            let lam = Var::from_tensor(&Tensor::new(&[0.37f64 - i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let w = rand_t(&dims, 21 + i as u64, 1.0, dt).unwrap();
+            let zf = difftx_kernels::diff_combine(o1.as_tensor(), o2.as_tensor(), lam.as_tensor()).unwrap();
+            let zr = o1.as_tensor().broadcast_sub(&o2.as_tensor().broadcast_mul(lam.as_tensor()).unwrap()).unwrap();
+            let tol = if dt == DType::F64 { 1e-13 } else { 1e-5 };
+            assert!(rel_err(&zf, &zr) < tol, "{dt:?} {dims:?}: forward");
+            let gf = (&zf * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gr = (&zr * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, v) in [("o1", &o1), ("o2", &o2), ("lambda", &lam)] {
+                let e = rel_err(gf.get(v.as_tensor()).unwrap(), gr.get(v.as_tensor()).unwrap());
+                assert!(e < tol, "{dt:?} {dims:?}: d{name} {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_matches_finite_differences_f64() {
+    let dims = [3usize, 4, 5];
+    let (a0, b0) = (rand_t(&dims, 4, 1.0, DType::F64).unwrap(), rand_t(&dims, 5, 1.0, DType::F64).unwrap());
+    let l0 = Tensor::new(&[0.6f64], &Device::Cpu).unwrap();
+    let w = rand_t(&dims, 6, 1.0, DType::F64).unwrap();
+    let loss = |a: &Tensor, b: &Tensor, l: &Tensor| -> Result<f64> { (difftx_kernels::diff_combine(a, b, l)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>() };
+    let (a, b, l) = (Var::from_tensor(&a0).unwrap(), Var::from_tensor(&b0).unwrap(), Var::from_tensor(&l0).unwrap());
+    let z = difftx_kernels::diff_combine(a.as_tensor(), b.as_tensor(), l.as_tensor()).unwrap();
+    let g = (z.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let checks = [
+        (flat(g.get(a.as_tensor()).unwrap()), finite_diff(&a0, |x| loss(x, &b0, &l0), 1e-6).unwrap()),
+        (flat(g.get(b.as_tensor()).unwrap()), finite_diff(&b0, |x| loss(&a0, x, &l0), 1e-6).unwrap()),
+        (flat(g.get(l.as_tensor()).unwrap()), finite_diff(&l0, |x| loss(&a0, &b0, x), 1e-6).unwrap()),
+    ];
+    for (i, (an, nu)) in checks.iter().enumerate() {
+        assert!(max_rel_vec(an, nu) < 1e-7, "input {i}: {}", max_rel_vec(an, nu));
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let a = rand_t(&[2, 3], 1, 1.0, DType::F32).unwrap();
+    let two = rand_t(&[2], 1, 1.0, DType::F32).unwrap();
+    let one = rand_t(&[1], 1, 1.0, DType::F32).unwrap();
+    assert!(difftx_kernels::diff_combine(&a, &a, &two).is_err());
+    assert!(difftx_kernels::diff_combine(&a, &a.t().unwrap(), &one).is_err());
+    assert!(difftx_kernels::diff_combine(&a, &a, &one.to_dtype(DType::F64).unwrap()).is_err());
+}

@@ -1,0 +1,93 @@
+//! RoPE kernel against the composed candle ops, forward and backward, and against finite
+//! differences in f64, on awkward shapes, both pair layouts, with a position offset.
+
+mod common;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::{finite_diff, flat, max_rel_vec, rand_t, rel_err};
+
+fn tables(l: usize, half: usize, dt: DType) -> Result<(Tensor, Tensor)> {
+    let ang: Vec<f64> = (0..l).flat_map(|p| (0..half).map(move |i| p as f64 * 10000f64.powf(-((2 * i) as f64) / (2 * half) as f64))).collect();
+    let cos = Tensor::from_vec(ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
+    let sin = Tensor::from_vec(ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
+    Ok((cos, sin))
+}
+
+/// The composed reference (the model's Kernels::Reference formula).
+fn rope_ref(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool) -> Result<Tensor> {
+    let (b, t, h, d) = x.dims4()?;
+    let half = d / 2;
+    let cos = cos.narrow(0, offset, t)?;
+    let sin = sin.narrow(0, offset, t)?;
+    if interleaved {
+        let x = x.reshape((b, t, h, half, 2))?;
+        let (x0, x1) = (x.narrow(4, 0, 1)?, x.narrow(4, 1, 1)?);
+        let cos = cos.reshape((1, t, 1, half, 1))?;
+        let sin = sin.reshape((1, t, 1, half, 1))?;
+        let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+        let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+        Tensor::cat(&[y0, y1], 4)?.reshape((b, t, h, d))
+    } else {
+        let (x0, x1) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+        let cos = cos.reshape((1, t, 1, half))?;
+        let sin = sin.reshape((1, t, 1, half))?;
+        let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+        let y1 = (x1.broadcast_mul(&cos)? + x0.broadcast_mul(&sin)?)?;
+        Tensor::cat(&[y0, y1], 3)
+    }
+}
+
+const SHAPES: [(usize, usize, usize, usize, usize); 4] = [(1, 1, 1, 2, 0), (2, 5, 3, 6, 3), (3, 7, 2, 10, 1), (1, 33, 5, 32, 0)];
+
+#[test]
+fn forward_and_backward_match_composed_ops() {
+    for dt in [DType::F32, DType::F64] {
+        for (si, &(b, t, h, d, off)) in SHAPES.iter().enumerate() {
+            for interleaved in [false, true] {
+                let (cos, sin) = tables(t + off + 2, d / 2, dt).unwrap();
+                let x = Var::from_tensor(&rand_t(&[b, t, h, d], si as u64, 1.0, dt).unwrap()).unwrap();
+                let w = rand_t(&[b, t, h, d], 100 + si as u64, 1.0, dt).unwrap();
+                let yf = difftx_kernels::rope(x.as_tensor(), &cos, &sin, off, interleaved).unwrap();
+                let yr = rope_ref(x.as_tensor(), &cos, &sin, off, interleaved).unwrap();
+                let tol = if dt == DType::F64 { 1e-13 } else { 1e-6 };
+                let e = rel_err(&yf, &yr);
+                assert!(e < tol, "{dt:?} {:?} interleaved={interleaved}: forward {e}", SHAPES[si]);
+                let gf = (&yf * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let gr = (&yr * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
+                assert!(e < tol, "{dt:?} {:?} interleaved={interleaved}: backward {e}", SHAPES[si]);
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_matches_finite_differences_f64() {
+    let (b, t, h, d, off) = (2, 4, 3, 6, 2);
+    for interleaved in [false, true] {
+        let (cos, sin) = tables(t + off, d / 2, DType::F64).unwrap();
+        let x0 = rand_t(&[b, t, h, d], 7, 1.0, DType::F64).unwrap();
+        let w = rand_t(&[b, t, h, d], 8, 1.0, DType::F64).unwrap();
+        // A non-linear loss so the gradient depends on y: sum(w * y^2).
+        let f = |x: &Tensor| -> Result<f64> {
+            (difftx_kernels::rope(x, &cos, &sin, off, interleaved)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+        };
+        let x = Var::from_tensor(&x0).unwrap();
+        let y = difftx_kernels::rope(x.as_tensor(), &cos, &sin, off, interleaved).unwrap();
+        let g = (y.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let analytic = flat(g.get(x.as_tensor()).unwrap());
+        let numeric = finite_diff(&x0, f, 1e-6).unwrap();
+        let e = max_rel_vec(&analytic, &numeric);
+        assert!(e < 1e-7, "interleaved={interleaved}: {e}");
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let (cos, sin) = tables(4, 3, DType::F32).unwrap();
+    let x = rand_t(&[1, 4, 2, 6], 1, 1.0, DType::F32).unwrap();
+    assert!(difftx_kernels::rope(&x, &cos, &sin, 1, false).is_err(), "positions past the table");
+    let odd = rand_t(&[1, 2, 2, 5], 1, 1.0, DType::F32).unwrap();
+    assert!(difftx_kernels::rope(&odd, &cos, &sin, 0, false).is_err(), "odd head dim");
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    assert!(difftx_kernels::rope(&x64, &cos, &sin, 0, true).is_err(), "dtype mismatch");
+}

@@ -1,0 +1,370 @@
+//! Throughput benchmarks on the shapes of SPEC §3, as JSON.
+//!
+//! * `train`: tokens/s of full training steps on `bench-s` (batch 8 × 256 tokens, f32): forward,
+//!   loss, backward, global-norm clipping and AdamW, the same pieces and order as the trainer.
+//!   Warmup steps first, then timed steps; per-phase means are reported too.
+//! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
+//!   family, so the gain of the fused kernels is visible.
+//! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
+//!   KV cache, greedy — the library's own `generate`.
+//! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
+//!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
+//!   fresh child process (the caller says how to start it) so that its peak resident memory
+//!   (`VmHWM`) is its own; the figure includes the process baseline (binary, allocator, the
+//!   one-layer model and the input), which is reported separately as `rss_before_forward_mib`.
+//! * `ratios`: DIFF (diff-v1, diff-v2) over baseline step times / decode times.
+//!
+//! Threads: `difftx bench` sets `CANDLE_NUM_THREADS=1` (candle's spinning barrier pool for
+//! element-wise ops otherwise competes with rayon's gemm and kernel threads: on the shared
+//! 2-core machines steps were 2-4x slower under load) and `RAYON_NUM_THREADS` (else candle reads
+//! /proc/cpuinfo on every matmul), unless the caller set them; the report echoes both.
+
+use crate::optim::{grad_norm, AdamW, AdamWParams};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use difftx_core::generate::{generate, Sampler, SamplingParams};
+use difftx_core::model::{init_weights, Model};
+use difftx_core::{Family, Kernels, ModelConfig};
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// How the attn-long measurements are run.
+#[derive(Debug, Clone)]
+pub enum AttnRunner {
+    /// Start `exe args... --attn-child-family F --attn-child-n N`; the child must call
+    /// [`attn_long_child`] and print its JSON on stdout. Peak RSS is then per measurement.
+    ChildProcess { exe: PathBuf, args: Vec<String> },
+    /// Run in this process (peak RSS is then the whole process's so far: an upper bound).
+    InProcess,
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub families: Vec<Family>,
+    /// Model preset for training and decoding (SPEC §3: `bench-s`).
+    pub preset: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub warmup_steps: usize,
+    pub steps: usize,
+    /// Family whose training is also timed with `Kernels::Reference` (None: skip).
+    pub reference_family: Option<Family>,
+    pub reference_steps: usize,
+    pub decode_tokens: usize,
+    pub prompt_tokens: usize,
+    /// Sequence lengths of the attn-long measurement (empty: skip).
+    pub attn_lengths: Vec<usize>,
+    /// Families measured at attn-long (empty: skip).
+    pub attn_families: Vec<Family>,
+    pub attn_runner: AttnRunner,
+    pub seed: u64,
+}
+
+impl BenchOptions {
+    /// The full benchmark of SPEC §3 (a few minutes on 2 cores).
+    pub fn full(attn_runner: AttnRunner) -> Self {
+        BenchOptions {
+            families: Family::ALL.to_vec(),
+            preset: "bench-s".into(),
+            batch_size: 8,
+            seq_len: 256,
+            warmup_steps: 3,
+            steps: 10,
+            reference_family: Some(Family::DiffV1),
+            reference_steps: 4,
+            decode_tokens: 256,
+            prompt_tokens: 16,
+            attn_lengths: vec![4096, 16384, 65536],
+            attn_families: vec![Family::Baseline, Family::DiffV1],
+            attn_runner,
+            seed: 0,
+        }
+    }
+
+    /// A smoke run of every part on small sizes (seconds): for tests.
+    pub fn quick(attn_runner: AttnRunner) -> Self {
+        BenchOptions {
+            families: Family::ALL.to_vec(),
+            preset: "tiny".into(),
+            batch_size: 2,
+            seq_len: 64,
+            warmup_steps: 1,
+            steps: 2,
+            reference_family: Some(Family::DiffV1),
+            reference_steps: 1,
+            decode_tokens: 8,
+            prompt_tokens: 4,
+            attn_lengths: vec![256, 512],
+            attn_families: vec![Family::Baseline, Family::DiffV1],
+            attn_runner,
+            seed: 0,
+        }
+    }
+}
+
+/// Mean seconds of each phase of a training step.
+#[derive(Debug, Default, Clone, Copy)]
+struct Phases {
+    forward: f64,
+    backward: f64,
+    clip: f64,
+    adamw: f64,
+}
+
+/// One training step exactly as `trainer::run` does it with grad_accum 1: forward, loss,
+/// backward, global norm, clip scaling, AdamW. Returns the loss.
+fn train_step(model: &Model, vars: &[(String, Var)], opt: &mut AdamW, xs: &Tensor, ys: &Tensor, lr: f64, ph: &mut Phases) -> Result<f64> {
+    let t0 = Instant::now();
+    let loss = Model::loss(&model.forward(xs, None)?, ys)?;
+    let l = loss.to_scalar::<f32>()? as f64;
+    let t1 = Instant::now();
+    let mut grads = loss.backward()?;
+    let t2 = Instant::now();
+    let norm = grad_norm(&grads, vars)?;
+    if !norm.is_finite() || !l.is_finite() {
+        bail!("benchmark training diverged (loss {l}, grad norm {norm})");
+    }
+    let clip = 1.0;
+    if norm > clip {
+        let factor = clip / norm;
+        for (_, var) in vars {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let scaled = (g * factor)?;
+                grads.insert(var.as_tensor(), scaled);
+            }
+        }
+    }
+    let t3 = Instant::now();
+    opt.step(&grads, lr)?;
+    let t4 = Instant::now();
+    ph.forward += (t1 - t0).as_secs_f64();
+    ph.backward += (t2 - t1).as_secs_f64();
+    ph.clip += (t3 - t2).as_secs_f64();
+    ph.adamw += (t4 - t3).as_secs_f64();
+    Ok(l)
+}
+
+fn random_ids(rng: &mut rand::rngs::StdRng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+fn bench_config(opts: &BenchOptions, family: Family) -> Result<ModelConfig> {
+    let mut cfg = ModelConfig::preset(&opts.preset, family)?;
+    cfg.max_seq_len = cfg.max_seq_len.max(opts.seq_len).max(opts.prompt_tokens + opts.decode_tokens);
+    Ok(cfg)
+}
+
+fn build(cfg: &ModelConfig, seed: u64) -> Result<(Model, Vec<(String, Var)>)> {
+    let weights = init_weights(cfg, seed, DType::F32, &Device::Cpu)?;
+    let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| Ok((n.clone(), Var::from_tensor(t)?))).collect::<Result<_>>()?;
+    let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    Ok((Model::from_weights(cfg, &map)?, vars))
+}
+
+/// Training throughput of one family with the given kernels.
+fn bench_train(opts: &BenchOptions, family: Family, kernels: Kernels, steps: usize) -> Result<Value> {
+    let cfg = bench_config(opts, family)?;
+    let (mut model, vars) = build(&cfg, opts.seed)?;
+    model.opts.kernels = kernels;
+    let mut opt = AdamW::new(&vars, AdamWParams::default())?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
+    let (b, t) = (opts.batch_size, opts.seq_len);
+    let dev = Device::Cpu;
+    let mut batch = || -> Result<(Tensor, Tensor)> {
+        let x = random_ids(&mut rng, b * t, cfg.vocab_size);
+        let y = random_ids(&mut rng, b * t, cfg.vocab_size);
+        Ok((Tensor::from_vec(x, (b, t), &dev)?, Tensor::from_vec(y, (b, t), &dev)?))
+    };
+    let lr = 1e-3;
+    let mut ph = Phases::default();
+    for _ in 0..opts.warmup_steps {
+        let (xs, ys) = batch()?;
+        train_step(&model, &vars, &mut opt, &xs, &ys, lr, &mut ph)?;
+    }
+    let mut ph = Phases::default();
+    let mut step_secs = Vec::with_capacity(steps);
+    let mut last_loss = f64::NAN;
+    for _ in 0..steps {
+        let (xs, ys) = batch()?;
+        let t0 = Instant::now();
+        last_loss = train_step(&model, &vars, &mut opt, &xs, &ys, lr, &mut ph)?;
+        step_secs.push(t0.elapsed().as_secs_f64());
+    }
+    let total: f64 = step_secs.iter().sum();
+    let mut sorted = step_secs.clone();
+    sorted.sort_by(f64::total_cmp);
+    let n = steps.max(1) as f64;
+    let ms = |s: f64| (s / n * 1e4).round() / 10.0;
+    Ok(json!({
+        "tokens_per_sec": ((b * t * steps) as f64 / total).round(),
+        "step_ms_mean": ms(total),
+        "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
+        "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
+        "steps": steps, "warmup_steps": opts.warmup_steps, "batch": b, "seq": t,
+        "kernels": format!("{kernels:?}").to_lowercase(), "params": cfg.param_counts().total, "last_loss": last_loss,
+    }))
+}
+
+/// Decode throughput: greedy, batch 1, KV cache.
+fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
+    let cfg = bench_config(opts, family)?;
+    let (model, _) = build(&cfg, opts.seed)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed + 1);
+    let prompt = random_ids(&mut rng, opts.prompt_tokens.max(1), cfg.vocab_size);
+    let mut sampler = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() })?;
+    // One short untimed run warms the allocator and caches.
+    generate(&model, &prompt, 4.min(opts.decode_tokens), &mut sampler, |_| Ok(()))?;
+    let t0 = Instant::now();
+    let out = generate(&model, &prompt, opts.decode_tokens, &mut sampler, |_| Ok(()))?;
+    let secs = t0.elapsed().as_secs_f64();
+    if out.len() != opts.decode_tokens {
+        bail!("decode produced {} tokens, expected {}", out.len(), opts.decode_tokens);
+    }
+    Ok(json!({
+        "tokens_per_sec": (out.len() as f64 / secs * 10.0).round() / 10.0,
+        "new_tokens": out.len(), "prompt_tokens": prompt.len(), "secs": (secs * 1e3).round() / 1e3,
+        "includes_prefill": true,
+    }))
+}
+
+/// `VmHWM` (peak resident set) and `VmRSS` of this process in MiB, from /proc/self/status.
+pub fn rss_mib() -> Result<(f64, f64)> {
+    let status = std::fs::read_to_string("/proc/self/status").context("cannot read /proc/self/status")?;
+    let field = |name: &str| -> Result<f64> {
+        let line = status.lines().find(|l| l.starts_with(name)).with_context(|| format!("no {name} in /proc/self/status"))?;
+        let kb: f64 = line[name.len()..].trim().trim_end_matches("kB").trim().parse().with_context(|| format!("bad line '{line}'"))?;
+        Ok(kb / 1024.0)
+    };
+    Ok((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// The attn-long work unit: one layer's attention forward on `[1, n, D]` at the `bench-s` width
+/// (D 256, H 8), fused kernels. Meant to run alone in a fresh process (see [`AttnRunner`]).
+pub fn attn_long_child(family: Family, n: usize, seed: u64) -> Result<Value> {
+    let (hwm_start, _) = rss_mib()?;
+    let mut cfg = ModelConfig::preset("bench-s", family)?;
+    cfg.n_layers = 1;
+    cfg.max_seq_len = n;
+    // Plain tensors, not Vars: a forward pass without autograd keeps no intermediates alive.
+    let weights: HashMap<String, Tensor> = init_weights(&cfg, seed, DType::F32, &Device::Cpu)?.into_iter().collect();
+    let model = Model::from_weights(&cfg, &weights)?;
+    let x = Tensor::randn(0f32, 1.0, (1, n, cfg.d_model), &Device::Cpu)?;
+    let (_, rss_before) = rss_mib()?;
+    let t0 = Instant::now();
+    let y = model.layer_attention(0, &x)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let checksum = y.sqr()?.mean_all()?.to_scalar::<f32>()? as f64;
+    if !checksum.is_finite() {
+        bail!("attn-long output is not finite");
+    }
+    let (hwm, _) = rss_mib()?;
+    Ok(json!({
+        "family": family.as_str(), "n": n, "secs": (secs * 1e3).round() / 1e3,
+        "tokens_per_sec": (n as f64 / secs).round(),
+        "peak_rss_mib": hwm.round(), "rss_before_forward_mib": rss_before.round(), "rss_at_start_mib": hwm_start.round(),
+        "mean_square_out": checksum,
+    }))
+}
+
+fn bench_attn(opts: &BenchOptions, family: Family, n: usize) -> Result<Value> {
+    match &opts.attn_runner {
+        AttnRunner::InProcess => {
+            let mut v = attn_long_child(family, n, opts.seed)?;
+            v["in_process"] = json!(true);
+            Ok(v)
+        }
+        AttnRunner::ChildProcess { exe, args } => {
+            let out = std::process::Command::new(exe)
+                .args(args)
+                .args(["--attn-child-family", family.as_str(), "--attn-child-n", &n.to_string()])
+                .output()
+                .with_context(|| format!("cannot start {}", exe.display()))?;
+            if !out.status.success() {
+                bail!("attn-long child (N = {n}, {family}) failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+            }
+            let text = String::from_utf8_lossy(&out.stdout);
+            serde_json::from_str(text.trim()).with_context(|| format!("attn-long child printed no JSON: {text}"))
+        }
+    }
+}
+
+fn ratio(a: &Value, b: &Value, key: &str) -> Option<f64> {
+    let (x, y) = (a.get(key)?.as_f64()?, b.get(key)?.as_f64()?);
+    Some((x / y * 1000.0).round() / 1000.0)
+}
+
+/// Runs every part `opts` asks for and returns the report (also what `difftx bench` prints).
+pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
+    if opts.steps == 0 || opts.batch_size == 0 || opts.seq_len == 0 {
+        bail!("benchmark steps, batch size and sequence length must be positive");
+    }
+    let mut train = Map::new();
+    let mut decode = Map::new();
+    for &f in &opts.families {
+        eprintln!("bench: training {f} ...");
+        let r = bench_train(opts, f, Kernels::Fused, opts.steps)?;
+        eprintln!("bench: {r}");
+        train.insert(f.as_str().into(), r);
+    }
+    let mut reference = Map::new();
+    if let Some(f) = opts.reference_family {
+        eprintln!("bench: training {f} with reference kernels ...");
+        let r = bench_train(opts, f, Kernels::Reference, opts.reference_steps.max(1))?;
+        eprintln!("bench: {r}");
+        reference.insert(f.as_str().into(), r);
+    }
+    if opts.decode_tokens > 0 {
+        for &f in &opts.families {
+            eprintln!("bench: decoding {f} ...");
+            let r = bench_decode(opts, f)?;
+            eprintln!("bench: {r}");
+            decode.insert(f.as_str().into(), r);
+        }
+    }
+    let mut ratios = Map::new();
+    if let Some(base) = train.get("baseline") {
+        for f in ["diff-v1", "diff-v2"] {
+            if let Some(d) = train.get(f) {
+                ratios.insert(format!("train_step_time_{f}_over_baseline"), json!(ratio(d, base, "step_ms_mean")));
+            }
+        }
+    }
+    if let Some(base) = decode.get("baseline") {
+        for f in ["diff-v1", "diff-v2"] {
+            if let Some(d) = decode.get(f) {
+                ratios.insert(format!("decode_time_{f}_over_baseline"), json!(ratio(base, d, "tokens_per_sec")));
+            }
+        }
+    }
+    if let (Some(r), Some(f)) = (opts.reference_family, opts.reference_family.and_then(|f| train.get(f.as_str()))) {
+        if let Some(rv) = reference.get(r.as_str()) {
+            ratios.insert(format!("train_speedup_fused_over_reference_{r}"), json!(ratio(f, rv, "tokens_per_sec")));
+        }
+    }
+    let mut attn = Map::new();
+    for &f in &opts.attn_families {
+        let mut rows = Vec::new();
+        for &n in &opts.attn_lengths {
+            eprintln!("bench: attn-long {f} N = {n} ...");
+            let r = bench_attn(opts, f, n)?;
+            eprintln!("bench: {r}");
+            rows.push(r);
+        }
+        attn.insert(f.as_str().into(), Value::Array(rows));
+    }
+    Ok(json!({
+        "engine": "difftx",
+        "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "env": {"CANDLE_NUM_THREADS": std::env::var("CANDLE_NUM_THREADS").ok(), "RAYON_NUM_THREADS": std::env::var("RAYON_NUM_THREADS").ok()},
+        "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",
+        "train": train,
+        "train_reference_kernels": reference,
+        "decode": decode,
+        "ratios": ratios,
+        "attn_long": attn,
+        "notes": "attn_long: one layer's attention sub-layer forward, batch 1, D 256; peak_rss_mib is the child process's VmHWM and includes its baseline (binary, allocator, model, input: rss_before_forward_mib)",
+    }))
+}

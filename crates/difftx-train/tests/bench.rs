@@ -1,0 +1,40 @@
+//! The benchmark's smoke run: every part runs and reports sane numbers.
+
+use difftx_train::bench::{run_bench, AttnRunner, BenchOptions};
+
+#[test]
+fn quick_bench_reports_every_part() {
+    let opts = BenchOptions::quick(AttnRunner::InProcess);
+    let r = run_bench(&opts).unwrap();
+    for f in ["baseline", "diff-v1", "diff-v2"] {
+        let tps = r["train"][f]["tokens_per_sec"].as_f64().unwrap();
+        assert!(tps > 0.0 && tps.is_finite(), "{f}: {tps}");
+        let loss = r["train"][f]["last_loss"].as_f64().unwrap();
+        // Random tokens over a 256-byte vocabulary: the loss starts near ln 256 = 5.55.
+        assert!(loss > 4.0 && loss < 7.0, "{f}: loss {loss}");
+        assert_eq!(r["decode"][f]["new_tokens"].as_u64(), Some(opts.decode_tokens as u64));
+        assert!(r["decode"][f]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+    }
+    assert!(r["train_reference_kernels"]["diff-v1"]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(r["ratios"]["train_step_time_diff-v1_over_baseline"].as_f64().unwrap() > 0.0);
+    for f in ["baseline", "diff-v1"] {
+        let rows = r["attn_long"][f].as_array().unwrap();
+        assert_eq!(rows.len(), opts.attn_lengths.len());
+        for (row, &n) in rows.iter().zip(&opts.attn_lengths) {
+            assert_eq!(row["n"].as_u64(), Some(n as u64));
+            assert!(row["peak_rss_mib"].as_f64().unwrap() >= row["rss_before_forward_mib"].as_f64().unwrap() - 1.0);
+            assert!(row["mean_square_out"].as_f64().unwrap() > 0.0);
+        }
+    }
+}
+
+#[test]
+fn rss_is_read_from_proc() {
+    let (hwm, rss) = difftx_train::bench::rss_mib().unwrap();
+    assert!(hwm >= rss && rss > 0.0, "{hwm} {rss}");
+    // Touching 64 MiB raises the peak by about that much.
+    let v = vec![1u8; 64 << 20];
+    let (hwm2, _) = difftx_train::bench::rss_mib().unwrap();
+    assert!(hwm2 >= hwm + 60.0 || hwm2 >= rss + 60.0, "{hwm} -> {hwm2}");
+    assert_eq!(v[12345], 1);
+}
