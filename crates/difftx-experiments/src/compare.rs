@@ -267,6 +267,12 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
         opts.out.join("mixture.json"),
         serde_json::to_string_pretty(&serde_json::json!({"spec": mixture, "documents": n_docs, "seed": 1234, "text": data_path}))?,
     )?;
+    // The exact training text, so each run's train_config.json names what it was trained on and
+    // `difftx train --resume` rebuilds the same token stream (documents joined by "\n", as
+    // TokenDataset::build joins separate texts).
+    let mixture_text = opts.out.join("mixture.txt");
+    std::fs::write(&mixture_text, docs.join("\n"))
+        .with_context(|| format!("cannot write {}", mixture_text.display()))?;
 
     let mut runs: Vec<Run> = Vec::new();
     let mut params = serde_json::Map::new();
@@ -278,8 +284,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
             let dir = opts.out.join("runs").join(format!("{}-seed{seed}", family.as_str()));
             let topts = TrainOptions {
                 model: cfg.clone(),
-                // For the record: the runs train on the mixture built from this text (mixture.json).
-                data: data_path.clone(),
+                data: mixture_text.clone(),
                 jsonl_field: "text".into(),
                 tokenizer: None,
                 steps,

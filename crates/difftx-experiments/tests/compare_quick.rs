@@ -98,3 +98,27 @@ fn budgets_parse() {
     let e = run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
 }
+
+/// A compare run's training text is on disk and rebuilds exactly the token stream it trained on.
+#[test]
+fn compare_runs_record_their_exact_training_text() {
+    use difftx_experiments::compare::{run_compare, CompareOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = CompareOptions { quick: true, out: tmp.path().join("c"), ..Default::default() };
+    run_compare(&opts).unwrap();
+    let run = std::fs::read_dir(tmp.path().join("c/runs")).unwrap().next().unwrap().unwrap().path();
+    let topts = difftx_train::trainer::read_options(&run).unwrap();
+    assert_eq!(topts.data, tmp.path().join("c/mixture.txt"));
+    let tok = difftx_core::tokenizer::Tokenizer::bytes();
+    let texts = difftx_train::data::load_texts(&topts.data, "text").unwrap();
+    let ds = difftx_train::data::TokenDataset::build(&texts, &tok, topts.seq_len, topts.val_fraction).unwrap();
+    // Identical to the dataset compare built from the mixture documents themselves.
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("c/mixture.json")).unwrap()).unwrap();
+    let spec: difftx_experiments::mixture::MixtureSpec = serde_json::from_value(m["spec"].clone()).unwrap();
+    let corpus = difftx_experiments::mixture::read_corpus(None).unwrap();
+    let docs =
+        difftx_experiments::mixture::build_mixture(&spec, &corpus, m["documents"].as_u64().unwrap() as usize, m["seed"].as_u64().unwrap()).unwrap();
+    let original = difftx_train::data::TokenDataset::build(&docs, &tok, topts.seq_len, topts.val_fraction).unwrap();
+    assert!(original == ds, "the recorded training text gives a different token stream");
+}
