@@ -467,11 +467,11 @@ fn cmd_eval(a: EvalArgs) -> Result<()> {
         bail!("{}: the text has {} tokens, shorter than one sequence of {}", a.data.display(), tokens.len(), seq_len + 1);
     }
     // Evaluate the whole text as validation data: non-overlapping windows from the start.
-    let ds = TokenDataset { train: Vec::new(), val: tokens.clone() };
+    let bytes_per_token = bytes as f64 / tokens.len() as f64;
+    let ds = TokenDataset { train: Vec::new(), val: tokens };
     let batches = ds.val_batches(a.batch_size, seq_len, a.max_batches);
     let loss = trainer::evaluate(&model, &batches, seq_len)?;
     let evaluated: usize = batches.iter().map(|b| b.2 * seq_len).sum();
-    let bytes_per_token = bytes as f64 / tokens.len() as f64;
     let bpb = loss / std::f64::consts::LN_2 / bytes_per_token;
     let report = serde_json::json!({
         "model": dir, "data": a.data, "weights": format!("{:?}", a.weights), "tokens_evaluated": evaluated, "loss": loss,

@@ -55,13 +55,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize
         Kernels::Fused => difftx_kernels::flash_attention(q, k, v, scale, q_offset),
         Kernels::Reference => {
             let probs = attention_probs(q, k, scale, q_offset, kernels)?; // [B, Hq, T, S]
-            let (b, hq, t, s) = probs.dims4()?;
-            let (_, hk, _, dv) = v.dims4()?;
-            let rep = hq / hk;
-            probs
-                .reshape((b, hk, rep * t, s))?
-                .matmul(&v.contiguous()?)?
-                .reshape((b, hq, t, dv))
+            weigh_values(&probs, v)
         }
     }
 }
@@ -69,13 +63,25 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize
 /// Attention maps softmax(q kᵀ·scale + causal mask): [B, Hq, T, S]. Materialises the maps, so it
 /// is the reference path and the probe used by the experiments.
 pub fn attention_probs(q: &Tensor, k: &Tensor, scale: f64, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
-    let scores = attention_scores(q, k, scale)?;
+    masked_softmax(&attention_scores(q, k, scale)?, q_offset, kernels)
+}
+
+/// softmax(scores + causal mask) over the last dim; scores [B, Hq, T, S].
+fn masked_softmax(scores: &Tensor, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
     let (_, _, t, s) = scores.dims4()?;
     let scores = match causal_mask(t, s, q_offset, scores.dtype(), scores.device())? {
         Some(mask) => scores.broadcast_add(&mask)?,
-        None => scores,
+        None => scores.clone(),
     };
     softmax_last_dim(&scores, kernels)
+}
+
+/// probs [B, Hq, T, S] times v [B, Hk, S, dv] with GQA (query head i uses kv head i / (Hq/Hk)),
+/// without copying v per query head: -> [B, Hq, T, dv].
+fn weigh_values(probs: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, hq, t, s) = probs.dims4()?;
+    let (_, hk, _, dv) = v.dims4()?;
+    probs.reshape((b, hk, (hq / hk) * t, s))?.matmul(&v.contiguous()?)?.reshape((b, hq, t, dv))
 }
 
 /// Raw attention logits q kᵀ·scale (no mask): [B, Hq, T, S], GQA without copying k.
@@ -121,21 +127,12 @@ pub fn fake_quant_absmax(x: &Tensor, bits: u32) -> Result<Tensor> {
 /// Causal attention with the logits fake-quantised to `bits` before the mask and softmax (the
 /// paper's attention-logit quantisation experiment). Always the materialised reference path.
 pub fn attention_quantized_logits(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, bits: u32) -> Result<Tensor> {
-    let probs = quantized_probs(q, k, scale, q_offset, bits)?;
-    let (b, hq, t, s) = probs.dims4()?;
-    let (_, hk, _, dv) = v.dims4()?;
-    probs.reshape((b, hk, (hq / hk) * t, s))?.matmul(&v.contiguous()?)?.reshape((b, hq, t, dv))
+    weigh_values(&quantized_probs(q, k, scale, q_offset, bits)?, v)
 }
 
 /// softmax(fake_quant(q kᵀ·scale) + mask).
 pub fn quantized_probs(q: &Tensor, k: &Tensor, scale: f64, q_offset: usize, bits: u32) -> Result<Tensor> {
-    let scores = fake_quant_absmax(&attention_scores(q, k, scale)?, bits)?;
-    let (_, _, t, s) = scores.dims4()?;
-    let scores = match causal_mask(t, s, q_offset, scores.dtype(), scores.device())? {
-        Some(mask) => scores.broadcast_add(&mask)?,
-        None => scores,
-    };
-    softmax_last_dim(&scores, Kernels::Reference)
+    masked_softmax(&fake_quant_absmax(&attention_scores(q, k, scale)?, bits)?, q_offset, Kernels::Reference)
 }
 
 #[cfg(test)]
