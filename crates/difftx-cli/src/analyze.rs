@@ -3,11 +3,26 @@
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use difftx_core::Family;
-use difftx_experiments::compare::{self, Budget, ClaimSpec, CompareOptions, ExtraInstrument};
-use difftx_experiments::stats::Direction;
-use difftx_experiments::{attention, icl, needle, outliers, quantize, seed_demo};
+use difftx_experiments::compare::{self, Arm, Budget, CompareOptions};
+use difftx_experiments::{attention, icl, needle, outliers, quantize, recall, seed_demo};
+use difftx_experiments::mixture::{MixtureSpec, PairFormat};
 use std::path::PathBuf;
+
+/// "LO-HI" or "N" as an inclusive range.
+fn parse_range(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("invalid range '{s}' (expected N or LO-HI, e.g. 2-16)");
+    let (lo, hi) = match s.split_once('-') {
+        Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
+        None => {
+            let n = s.trim().parse().map_err(|_| bad())?;
+            (n, n)
+        }
+    };
+    if lo > hi {
+        return Err(bad());
+    }
+    Ok((lo, hi))
+}
 
 #[derive(Args)]
 pub struct DemoArgs {
@@ -62,6 +77,8 @@ pub enum Instrument {
     Quantize(Common),
     /// Multi-needle retrieval accuracy per context length x depth (N needles, R asked).
     Needle(NeedleArgs),
+    /// Associative recall (MQAR): accuracy per number of key-value pairs in the context.
+    Recall(RecallArgs),
     /// Attention mass from the answer position to the answer span vs the rest, per needle depth.
     Attention(AttentionArgs),
     /// k-shot classification over many demonstration orders: mean accuracy and best-worst margin.
@@ -80,10 +97,49 @@ pub struct ModelOut {
     pub seed: u64,
 }
 
+/// Shapes of the keys and values of the retrieval tasks (their difficulty knobs).
+#[derive(Args, Clone)]
+pub struct PairArgs {
+    /// Letters per key of the retrieval tasks.
+    #[arg(long, default_value_t = PairFormat::default().key_len)]
+    pub key_len: usize,
+    /// Keys use the first N lowercase letters.
+    #[arg(long, default_value_t = PairFormat::default().key_letters)]
+    pub key_letters: usize,
+    /// Digits per value (chance accuracy 10^-N).
+    #[arg(long, default_value_t = PairFormat::default().value_digits)]
+    pub value_digits: usize,
+}
+
+impl PairArgs {
+    pub fn format(&self) -> PairFormat {
+        PairFormat { key_len: self.key_len, key_letters: self.key_letters, value_digits: self.value_digits }
+    }
+}
+
+#[derive(Args)]
+pub struct RecallArgs {
+    #[command(flatten)]
+    pub m: ModelOut,
+    #[command(flatten)]
+    pub pairs: PairArgs,
+    /// Key-value pairs per document (comma separated; one accuracy each).
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    pub pair_counts: Vec<usize>,
+    /// Documents per pair count.
+    #[arg(long, default_value_t = 24)]
+    pub documents: usize,
+    /// Real-text filler words after each pair, as LO-HI.
+    #[arg(long, default_value = "0-0", value_parser = parse_range)]
+    pub filler: (usize, usize),
+}
+
 #[derive(Args)]
 pub struct NeedleArgs {
     #[command(flatten)]
     pub m: ModelOut,
+    #[command(flatten)]
+    pub pairs: PairArgs,
     /// Contexts per (length, depth) cell.
     #[arg(long, default_value_t = 3)]
     pub trials: usize,
@@ -96,6 +152,8 @@ pub struct NeedleArgs {
 pub struct AttentionArgs {
     #[command(flatten)]
     pub m: ModelOut,
+    #[command(flatten)]
+    pub pairs: PairArgs,
     #[arg(long, default_value_t = 3)]
     pub trials: usize,
     #[arg(long)]
@@ -138,12 +196,34 @@ pub fn cmd_analyze(what: Instrument) -> Result<()> {
             (quantize::run_quantize(&c.model, &opts, &c.out)?, c.out)
         }
         Instrument::Needle(a) => {
-            let opts = needle::NeedleOptions { trials: a.trials, seed: a.m.seed, haystack: a.haystack, ..Default::default() };
+            let opts = needle::NeedleOptions {
+                trials: a.trials,
+                seed: a.m.seed,
+                haystack: a.haystack,
+                pairs: a.pairs.format(),
+                ..Default::default()
+            };
             (needle::run_needle(&a.m.model, &opts, &a.m.out)?, a.m.out)
         }
+        Instrument::Recall(a) => {
+            let opts = recall::RecallOptions {
+                pair_counts: a.pair_counts,
+                documents: a.documents,
+                filler: a.filler,
+                pairs: a.pairs.format(),
+                seed: a.m.seed,
+                ..Default::default()
+            };
+            (recall::run_recall(&a.m.model, &opts, &a.m.out)?, a.m.out)
+        }
         Instrument::Attention(a) => {
-            let opts =
-                attention::AttentionOptions { trials: a.trials, seed: a.m.seed, haystack: a.haystack, ..Default::default() };
+            let opts = attention::AttentionOptions {
+                trials: a.trials,
+                seed: a.m.seed,
+                haystack: a.haystack,
+                pairs: a.pairs.format(),
+                ..Default::default()
+            };
             (attention::run_attention(&a.m.model, &opts, &a.m.out)?, a.m.out)
         }
         Instrument::Icl(a) => {
@@ -168,9 +248,18 @@ pub struct CompareArgs {
     /// A one-minute smoke run (2 seeds, a few steps, small instrument settings).
     #[arg(long)]
     pub quick: bool,
-    /// Families to compare (comma-separated).
+    /// Families to compare (comma-separated): baseline, diff-v1, diff-v2, and diff-v1-nonorm
+    /// (diff-v1 without its per-head norm, the paper's ablation).
     #[arg(long, value_delimiter = ',', default_value = "baseline,diff-v1,diff-v2")]
-    pub families: Vec<Family>,
+    pub families: Vec<Arm>,
+    /// Extra model widths (d_model, comma separated) for the parameter-efficiency fit, e.g.
+    /// 64,96 (the preset's width is always trained). Empty: one size.
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<usize>,
+    /// Runs trained side by side, each with cores / jobs threads (0: one per core; measured
+    /// faster than one run on all cores for small models, see docs/compare/README.md).
+    #[arg(long, default_value_t = 0)]
+    pub jobs: usize,
     /// Model preset shared by all families (parameter-matched by construction).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
@@ -178,14 +267,37 @@ pub struct CompareArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Mixture: fraction of documents that are real text.
-    #[arg(long, default_value_t = 0.4)]
+    #[arg(long, default_value_t = MixtureSpec::default().text_fraction)]
     pub text_fraction: f64,
-    /// Mixture: fraction of synthetic retrieval (needle) documents.
-    #[arg(long, default_value_t = 0.4)]
+    /// Mixture: fraction of needle documents (key-value pairs hidden in real text, then questions).
+    #[arg(long, default_value_t = MixtureSpec::default().needle_fraction)]
     pub needle_fraction: f64,
+    /// Mixture: fraction of associative-recall documents (pairs, then every key queried).
+    #[arg(long, default_value_t = MixtureSpec::default().recall_fraction)]
+    pub recall_fraction: f64,
     /// Mixture: fraction of synthetic in-context classification documents.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = MixtureSpec::default().icl_fraction)]
     pub icl_fraction: f64,
+    #[command(flatten)]
+    pub pairs: PairArgs,
+    /// Difficulty: key-value pairs per training recall document, as LO-HI.
+    #[arg(long, default_value = "2-16", value_parser = parse_range)]
+    pub recall_pairs: (usize, usize),
+    /// Difficulty: real-text words after each recall pair, as LO-HI (0-0: none).
+    #[arg(long, default_value = "0-0", value_parser = parse_range)]
+    pub recall_filler: (usize, usize),
+    /// Pair counts the recall instrument measures (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    pub recall_eval: Vec<usize>,
+    /// Difficulty: needles per training needle document, as LO-HI.
+    #[arg(long, default_value = "1-6", value_parser = parse_range)]
+    pub needles: (usize, usize),
+    /// Difficulty: classes of the synthetic in-context task in training, as LO-HI.
+    #[arg(long, default_value = "2-4", value_parser = parse_range)]
+    pub icl_classes: (usize, usize),
+    /// Classes of the in-context instrument (chance accuracy 1/N).
+    #[arg(long, default_value_t = 4)]
+    pub icl_eval_classes: usize,
     /// Report folder (training runs go to OUT/runs/).
     #[arg(long, default_value = "runs/compare")]
     pub out: PathBuf,
@@ -198,52 +310,6 @@ pub struct CompareArgs {
     pub lr: f64,
 }
 
-fn claim(id: &str, title: &str, paper: &str, pointer: &str, direction: Direction) -> ClaimSpec {
-    ClaimSpec { id: id.into(), title: title.into(), paper: paper.into(), pointer: pointer.into(), direction }
-}
-
-/// Outliers and quantisation, run on every trained model by `compare`.
-fn extra_instruments(quick: bool) -> Vec<ExtraInstrument> {
-    let max_tokens = if quick { 512 } else { 4096 };
-    let outliers_run = move |model: &std::path::Path, out: &std::path::Path| {
-        let opts = outliers::OutliersOptions { max_tokens, ..Default::default() };
-        outliers::run_outliers(model, &opts, out)
-    };
-    // Settings in a fixed order so the claims can point into the results array:
-    // 0 fp32, 1-4 logits 16/8/6/4, 5 W8, 6 W4 (per channel), 7 W8A8, 8 W4A4.
-    let quantize_run = move |model: &std::path::Path, out: &std::path::Path| {
-        let opts = quantize::QuantizeOptions {
-            max_tokens,
-            logit_bits: vec![16, 8, 6, 4],
-            weight_bits: vec![8, 4],
-            weight_groups: vec![None],
-            wa_bits: vec![8, 4],
-            wa_group: None,
-            ..Default::default()
-        };
-        quantize::run_quantize(model, &opts, out)
-    };
-    vec![
-        ExtraInstrument {
-            name: "outliers".into(),
-            run: Box::new(outliers_run),
-            claims: vec![
-                claim("outlier_logits", "Largest |attention logit| (top-1)", "3B models: 318.0 (Transformer) vs 38.8 (DIFF)", "/attention_logits/all_layers/top1", Direction::Lower),
-                claim("outlier_hidden", "Largest |hidden state| (top-1)", "3B models: 3608.6 (Transformer) vs 1688.2 (DIFF)", "/hidden_states/all_layers/top1", Direction::Lower),
-            ],
-        },
-        ExtraInstrument {
-            name: "quantize".into(),
-            run: Box::new(quantize_run),
-            claims: vec![
-                claim("quant_logits4", "Loss increase with 4-bit attention logits", "DIFF degrades far less than the Transformer at 4-bit attention logits (HellaSwag accuracy)", "/results/4/delta", Direction::Lower),
-                claim("quant_w4", "Loss increase with int4 weights (per channel)", "not measured in the paper; the source article claims easier low-bit quantisation", "/results/6/delta", Direction::Lower),
-                claim("quant_w4a4", "Loss increase with W4A4", "the source article claims W4A4 with negligible degradation (not a paper experiment)", "/results/8/delta", Direction::Lower),
-            ],
-        },
-    ]
-}
-
 pub fn cmd_compare(a: CompareArgs) -> Result<()> {
     let budget: Budget = a.budget.parse().map_err(|e: String| anyhow::anyhow!(e))?;
     let defaults = CompareOptions::default();
@@ -251,24 +317,37 @@ pub fn cmd_compare(a: CompareArgs) -> Result<()> {
         seeds: a.seeds,
         budget,
         quick: a.quick,
-        families: a.families,
+        arms: a.families,
+        sizes: a.sizes,
+        jobs: a.jobs,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
         preset: a.preset,
         data: a.data,
         mixture: difftx_experiments::mixture::MixtureSpec {
             text_fraction: a.text_fraction,
             needle_fraction: a.needle_fraction,
+            recall_fraction: a.recall_fraction,
             icl_fraction: a.icl_fraction,
+            pairs: a.pairs.format(),
+            recall_pairs: a.recall_pairs,
+            recall_filler: a.recall_filler,
+            needles: a.needles,
+            classes: a.icl_classes,
             ..defaults.mixture.clone()
         },
+        recall: difftx_experiments::recall::RecallOptions { pair_counts: a.recall_eval, ..defaults.recall.clone() },
+        icl: difftx_experiments::icl::IclOptions { classes: a.icl_eval_classes, ..defaults.icl.clone() },
         out: a.out,
         seq_len: a.seq_len,
         batch_size: a.batch_size,
         lr: a.lr,
-        extra_instruments: extra_instruments(a.quick),
         ..defaults
     };
     let report = compare::run_compare(&opts)?;
-    println!("{}", std::fs::read_to_string(&report.report_md)?);
+    // The overview table; the details are in the report file.
+    let md = std::fs::read_to_string(&report.report_md)?;
+    let overview = md.split("## Overview").nth(1).and_then(|s| s.split("\n## Claims in detail").next()).unwrap_or(&md);
+    println!("## Overview{overview}");
     eprintln!("report: {} ({:.0} s)", report.report_md.display(), report.wall_secs);
     Ok(())
 }

@@ -325,6 +325,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         time_limit_secs: a.time_limit,
         kernels: a.kernels.get(),
         progress: std::io::stderr().is_terminal(),
+        overall: None,
     };
     let (opts, summary) = if a.resume {
         let opts = trainer::read_options(&a.out)?;
@@ -366,6 +367,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             log_every: a.log_every,
             seed: a.seed,
             val_fraction: a.val_fraction,
+            windows: Default::default(),
         };
         opts.validate()?;
         let texts = load_texts(&data, &a.field)?;
@@ -468,7 +470,7 @@ fn cmd_eval(a: EvalArgs) -> Result<()> {
     }
     // Evaluate the whole text as validation data: non-overlapping windows from the start.
     let bytes_per_token = bytes as f64 / tokens.len() as f64;
-    let ds = TokenDataset { train: Vec::new(), val: tokens };
+    let ds = TokenDataset { train: Vec::new(), val: tokens, doc_starts: Vec::new() };
     let batches = ds.val_batches(a.batch_size, seq_len, a.max_batches);
     let loss = trainer::evaluate(&model, &batches, seq_len)?;
     let evaluated: usize = batches.iter().map(|b| b.2 * seq_len).sum();

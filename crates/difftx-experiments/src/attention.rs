@@ -148,11 +148,11 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
         let (mut a, mut n, mut share) = (Vec::new(), Vec::new(), Vec::new());
         for trial in 0..opts.trials {
             let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[77, di as u64, trial as u64]));
-            let Some(prompts) = needle_prompts(&tok, &clean, opts.needles, 1, len, d / 100.0, &mut rng)? else {
+            let Some(prompts) = needle_prompts(&tok, &clean, &crate::mixture::PairFormat::default(), opts.needles, 1, len, d / 100.0, &mut rng)? else {
                 bail!("attention: {} needle(s) and a question do not fit {len} tokens", opts.needles);
             };
             let (text, ids, _, bytes) = &prompts[0];
-            let q_start = text.rfind("\nWhat is the magic number of ").context("question not found")?;
+            let q_start = text.rfind('\n').context("question not found")?;
             let ctx = 0..tok.encode(&text[..q_start])?.len();
             let span = token_span(&tok, text, bytes.clone())?;
             let maps = capture(&model, ids)?;
@@ -168,7 +168,7 @@ pub fn run_attention(model_dir: &Path, opts: &AttentionOptions, out_dir: &Path) 
     draw_bars(&out_dir.join("attention.png"), &format!("attention allocation ({})", cfg.family.as_str()), &[(cfg.family.as_str().to_string(), per_depth.clone())])?;
 
     // One head's map for a short text.
-    let text = opts.heatmap_text.clone().unwrap_or_else(|| format!("Once upon a time. {} Then more. {}", needle_sentence("kep", "47"), needle_question("kep")));
+    let text = opts.heatmap_text.clone().unwrap_or_else(|| format!("Once upon a time. {} Then more. {}", needle_sentence("k", "4"), needle_question("k")));
     let ids = tok.encode(&text)?;
     if ids.is_empty() || ids.len() > cfg.max_seq_len {
         bail!("attention: heatmap text has {} tokens; it must have 1..={}", ids.len(), cfg.max_seq_len);

@@ -12,5 +12,6 @@ pub mod needle;
 pub mod outliers;
 pub mod plot;
 pub mod quantize;
+pub mod recall;
 pub mod seed_demo;
 pub mod stats;

@@ -1,12 +1,21 @@
-//! The default training mixture for small models: real text plus synthetic retrieval documents
-//! and synthetic in-context classification documents, in explicit, configurable proportions.
+//! The training mixture for small models: real text plus synthetic retrieval and in-context
+//! documents, in explicit, configurable proportions, each task with its difficulty knobs.
 //!
-//! Formats (character level; a byte tokenizer is assumed, so text is kept ASCII):
-//! - needle: `The magic number of X is Y.` inside real text; then `What is the magic number of X? Y`
-//! - in-context classification: lines `input -> label`, k demonstrations then the query line.
+//! Formats (character level, kept ASCII so a byte tokenizer sees one token per character):
+//! - key-value pair `kv` (a key of `key_len` letters directly followed by a value of
+//!   `value_digits` digits, e.g. `q7`), the one retrieval primitive of both retrieval tasks; a
+//!   question is the key again, answered by the value: the one-step copy that induction heads do
+//!   (a separator between key and value would make it a two-step lookup, measured far slower to
+//!   learn: docs/compare/calibration.md);
+//! - needle document: pairs hidden in real text at random depths, then questions on new lines;
+//! - recall document (multi-query associative recall, "MQAR"): `pairs` pairs, optionally with
+//!   real-text filler words between them, then a line of queries `k:v` in random order;
+//! - in-context classification: lines `input -> label`, demonstrations then the query line.
 //!
-//! The instruments (`needle`, `attention`, `icl`) build their prompts with the same functions, so
-//! a model trained on the mixture is evaluated on exactly the formats it saw.
+//! The instruments (`needle`, `recall`, `attention`, `icl`) build their prompts with the same
+//! functions, so a model trained on the mixture is evaluated on exactly the formats it saw.
+//! Documents are at most `doc_chars` characters; `compare` trains on windows that start at a
+//! document start, so every retrieval document sits whole in one training window.
 
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
@@ -14,54 +23,147 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+/// Shape of the keys and values of the retrieval tasks (their difficulty knobs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PairFormat {
+    /// Letters per key.
+    pub key_len: usize,
+    /// Keys use the first `key_letters` lowercase letters (2..=26).
+    pub key_letters: usize,
+    /// Digits per value (chance of a right guess: 10^-value_digits).
+    pub value_digits: usize,
+}
+
+impl Default for PairFormat {
+    fn default() -> Self {
+        PairFormat { key_len: 1, key_letters: 26, value_digits: 1 }
+    }
+}
+
+impl PairFormat {
+    pub fn validate(&self) -> Result<()> {
+        if self.key_len == 0 || self.key_len > 4 || !(2..=26).contains(&self.key_letters) {
+            bail!("keys must have 1..=4 letters from 2..=26 letters, got {} of {}", self.key_len, self.key_letters);
+        }
+        if self.value_digits == 0 || self.value_digits > 4 {
+            bail!("values must have 1..=4 digits, got {}", self.value_digits);
+        }
+        Ok(())
+    }
+    /// Number of distinct keys.
+    pub fn key_space(&self) -> usize {
+        self.key_letters.pow(self.key_len as u32)
+    }
+    /// Probability of guessing a value right at random.
+    pub fn chance(&self) -> f64 {
+        10f64.powi(-(self.value_digits as i32))
+    }
+    pub fn key(&self, rng: &mut impl Rng) -> String {
+        (0..self.key_len).map(|_| (b'a' + rng.random_range(0..self.key_letters as u8)) as char).collect()
+    }
+    pub fn value(&self, rng: &mut impl Rng) -> String {
+        (0..self.value_digits).map(|_| (b'0' + rng.random_range(0..10u8)) as char).collect()
+    }
+    /// `n` pairs with distinct keys (n is capped at the key space).
+    pub fn pairs(&self, n: usize, rng: &mut impl Rng) -> Vec<(String, String)> {
+        let n = n.min(self.key_space());
+        let mut out: Vec<(String, String)> = Vec::with_capacity(n);
+        while out.len() < n {
+            let k = self.key(rng);
+            if out.iter().all(|(x, _)| *x != k) {
+                out.push((k, self.value(rng)));
+            }
+        }
+        out
+    }
+    /// Characters of one pair `kv`.
+    pub fn pair_chars(&self) -> usize {
+        self.key_len + self.value_digits
+    }
+}
+
 /// Proportions and shapes of the training mixture. Fractions are of documents and are
 /// normalised by their sum (they need not add up to 1, but must not all be zero).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MixtureSpec {
     pub text_fraction: f64,
     pub needle_fraction: f64,
+    #[serde(default)]
+    pub recall_fraction: f64,
     pub icl_fraction: f64,
-    /// Documents are this many characters at most (set it to the training sequence length so a
-    /// retrieval question sits in the same window as its needles).
+    /// Documents are this many characters at most (at most the training sequence length).
     pub doc_chars: usize,
-    /// Needles per retrieval document, inclusive range.
+    /// Keys and values of the needle and recall tasks.
+    #[serde(default)]
+    pub pairs: PairFormat,
+    /// Needles per needle document, inclusive range.
     pub needles: (usize, usize),
-    /// Questions per retrieval document (each about a different needle), inclusive range.
+    /// Questions per needle document (each about a different needle), inclusive range.
     pub asked: (usize, usize),
+    /// Key-value pairs per recall document, inclusive range (all of them are queried).
+    #[serde(default = "default_recall_pairs")]
+    pub recall_pairs: (usize, usize),
+    /// Real-text words between consecutive pairs of a recall document, inclusive range.
+    #[serde(default)]
+    pub recall_filler: (usize, usize),
     /// Demonstrations per in-context document, inclusive range.
     pub shots: (usize, usize),
     /// Number of classes of the synthetic classification task, inclusive range.
     pub classes: (usize, usize),
 }
 
+fn default_recall_pairs() -> (usize, usize) {
+    (2, 16)
+}
+
 impl Default for MixtureSpec {
     fn default() -> Self {
         MixtureSpec {
-            text_fraction: 0.4,
-            needle_fraction: 0.4,
+            text_fraction: 0.3,
+            needle_fraction: 0.25,
+            recall_fraction: 0.25,
             icl_fraction: 0.2,
             doc_chars: 256,
+            pairs: PairFormat::default(),
             needles: (1, 6),
-            asked: (1, 2),
-            shots: (2, 8),
-            classes: (2, 3),
+            asked: (1, 3),
+            recall_pairs: default_recall_pairs(),
+            recall_filler: (0, 0),
+            shots: (4, 12),
+            classes: (2, 4),
         }
     }
 }
 
 impl MixtureSpec {
     pub fn validate(&self) -> Result<()> {
-        let f = [self.text_fraction, self.needle_fraction, self.icl_fraction];
+        let f = [self.text_fraction, self.needle_fraction, self.recall_fraction, self.icl_fraction];
         if f.iter().any(|x| !x.is_finite() || *x < 0.0) || f.iter().sum::<f64>() <= 0.0 {
-            bail!("mixture fractions must be non-negative and not all zero, got text {} needle {} icl {}", f[0], f[1], f[2]);
+            bail!(
+                "mixture fractions must be non-negative and not all zero, got text {} needle {} recall {} icl {}",
+                f[0],
+                f[1],
+                f[2],
+                f[3]
+            );
         }
         if self.doc_chars < 64 {
             bail!("mixture documents of {} characters are too short (need at least 64)", self.doc_chars);
         }
-        for (name, (lo, hi)) in [("needles", self.needles), ("asked", self.asked), ("shots", self.shots), ("classes", self.classes)] {
+        self.pairs.validate()?;
+        for (name, (lo, hi)) in [
+            ("needles", self.needles),
+            ("asked", self.asked),
+            ("recall_pairs", self.recall_pairs),
+            ("shots", self.shots),
+            ("classes", self.classes),
+        ] {
             if lo == 0 || lo > hi {
                 bail!("mixture range {name} = {lo}..={hi} is empty or starts at zero");
             }
+        }
+        if self.recall_filler.0 > self.recall_filler.1 {
+            bail!("mixture range recall_filler = {:?} is empty", self.recall_filler);
         }
         if self.classes.1 > LABEL_WORDS.len() {
             bail!("at most {} classes are supported", LABEL_WORDS.len());
@@ -114,35 +216,14 @@ pub fn haystack(clean: &str, len: usize, rng: &mut impl Rng) -> String {
     }
 }
 
-/// A needle key: three random lowercase letters.
-pub fn needle_key(rng: &mut impl Rng) -> String {
-    (0..3).map(|_| (b'a' + rng.random_range(0..26u8)) as char).collect()
-}
-
-/// A needle value: a two-digit number.
-pub fn needle_value(rng: &mut impl Rng) -> String {
-    rng.random_range(10..100u32).to_string()
-}
-
+/// A needle as written in the text: the pair `kv`.
 pub fn needle_sentence(key: &str, value: &str) -> String {
-    format!("The magic number of {key} is {value}.")
+    format!("{key}{value}")
 }
 
-/// The question, ending just before the answer (the answer follows after the space).
+/// The question about `key` (on a new line): the key again; the value follows directly.
 pub fn needle_question(key: &str) -> String {
-    format!("What is the magic number of {key}? ")
-}
-
-/// `n` needles with distinct keys.
-pub fn draw_needles(n: usize, rng: &mut impl Rng) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = Vec::with_capacity(n);
-    while out.len() < n {
-        let k = needle_key(rng);
-        if out.iter().all(|(x, _)| *x != k) {
-            out.push((k, needle_value(rng)));
-        }
-    }
-    out
+    key.to_string()
 }
 
 /// Inserts `sentences` into `hay` at the given fractional depths (0 = start, 1 = end), each at
@@ -184,18 +265,19 @@ pub fn insert_at_depths(hay: &str, sentences: &[(String, f64)]) -> (String, Vec<
     (out.trim_end().to_string(), ranges)
 }
 
-/// One retrieval document of at most `max_chars` characters: real text with `n` needles at random
-/// depths, then `r` questions each followed by its answer on its own line.
+/// One needle document of at most `max_chars` characters: real text with `n` needles at random
+/// depths, then `r` questions, each on its own line followed by its answer.
 /// `n` and `r` are reduced when that many needles and questions cannot fit `max_chars`.
-pub fn needle_document(clean: &str, n: usize, r: usize, max_chars: usize, rng: &mut impl Rng) -> String {
-    // A needle sentence takes 31 characters with its separator, a question line 36.
-    let r = r.clamp(1, (max_chars / 67).max(1));
-    let n = n.clamp(r, ((max_chars.saturating_sub(36 * r)) / 31).max(r));
-    let needles = draw_needles(n, rng);
-    let mut asked: Vec<usize> = (0..n).collect();
+pub fn needle_document(clean: &str, fmt: &PairFormat, n: usize, r: usize, max_chars: usize, rng: &mut impl Rng) -> String {
+    let pair = fmt.pair_chars() + 1;
+    let r = r.clamp(1, (max_chars / (2 * pair)).max(1));
+    let n = n.clamp(r, (max_chars.saturating_sub(pair * r) / pair).max(r));
+    let needles = fmt.pairs(n, rng);
+    let mut asked: Vec<usize> = (0..needles.len()).collect();
     asked.shuffle(rng);
-    asked.truncate(r.min(n));
-    let qa: String = asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
+    asked.truncate(r.min(needles.len()));
+    let qa: String =
+        asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
     let fixed: usize = needles.iter().map(|(k, v)| needle_sentence(k, v).len() + 1).sum::<usize>() + qa.len();
     let hay_len = max_chars.saturating_sub(fixed);
     let hay_len = if hay_len > 0 { rng.random_range(hay_len / 3..=hay_len) } else { 0 };
@@ -204,6 +286,73 @@ pub fn needle_document(clean: &str, n: usize, r: usize, max_chars: usize, rng: &
         needles.iter().map(|(k, v)| (needle_sentence(k, v), rng.random_range(0.0..=1.0))).collect();
     let (text, _) = insert_at_depths(&hay, &sentences);
     format!("{text}{qa}")
+}
+
+/// Words of real text for the filler between recall pairs.
+fn filler_words<'a>(words: &[&'a str], n: usize, rng: &mut impl Rng) -> Vec<&'a str> {
+    if words.is_empty() || n == 0 {
+        return Vec::new();
+    }
+    let start = rng.random_range(0..words.len());
+    (0..n).map(|i| words[(start + i) % words.len()]).collect()
+}
+
+/// A recall document, as pieces: the context (pairs, each followed by `filler` real-text words)
+/// and the queries `(prefix, value)` that follow it, where `prefix` ends with the key.
+/// The document text is `context` then every `prefix + value` in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecallDocument {
+    pub context: String,
+    pub queries: Vec<(String, String)>,
+}
+
+impl RecallDocument {
+    pub fn text(&self) -> String {
+        let mut s = self.context.clone();
+        for (p, v) in &self.queries {
+            s.push_str(p);
+            s.push_str(v);
+        }
+        s
+    }
+}
+
+/// Multi-query associative recall: `n` pairs (distinct keys), each followed by `filler` words of
+/// `clean` text, then a new line and every pair's key queried once, in random order.
+pub fn recall_document(
+    clean_words: &[&str],
+    fmt: &PairFormat,
+    n: usize,
+    filler: (usize, usize),
+    rng: &mut impl Rng,
+) -> RecallDocument {
+    let pairs = fmt.pairs(n.max(1), rng);
+    let mut context = String::new();
+    for (i, (k, v)) in pairs.iter().enumerate() {
+        if i > 0 {
+            context.push(' ');
+        }
+        context.push_str(&needle_sentence(k, v));
+        let nf = if filler.1 > 0 { rng.random_range(filler.0..=filler.1) } else { 0 };
+        for w in filler_words(clean_words, nf, rng) {
+            context.push(' ');
+            context.push_str(w);
+        }
+    }
+    context.push('\n');
+    let mut order: Vec<usize> = (0..pairs.len()).collect();
+    order.shuffle(rng);
+    let queries = order
+        .iter()
+        .enumerate()
+        .map(|(j, &i)| (format!("{}{}", if j > 0 { " " } else { "" }, needle_question(&pairs[i].0)), pairs[i].1.clone()))
+        .collect();
+    RecallDocument { context, queries }
+}
+
+/// Characters of a recall document with `n` pairs and no filler.
+pub fn recall_chars(fmt: &PairFormat, n: usize) -> usize {
+    2 * n * (fmt.pair_chars() + 1)
 }
 
 /// The synthetic in-context task: an input is three lowercase letters; its class is decided by
@@ -270,9 +419,11 @@ pub fn build_mixture(spec: &MixtureSpec, text: &str, n_docs: usize, seed: u64) -
         bail!("the mixture needs at least one document");
     }
     let clean = clean_text(text);
-    if (spec.text_fraction > 0.0 || spec.needle_fraction > 0.0) && clean.len() < spec.doc_chars {
+    let needs_text = spec.text_fraction > 0.0 || spec.needle_fraction > 0.0;
+    if needs_text && clean.len() < spec.doc_chars {
         bail!("real text has {} usable characters, fewer than one document of {}", clean.len(), spec.doc_chars);
     }
+    let words: Vec<&str> = clean.split(' ').collect();
     let counts = mixture_counts(spec, n_docs);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut docs = Vec::with_capacity(n_docs);
@@ -283,9 +434,17 @@ pub fn build_mixture(spec: &MixtureSpec, text: &str, n_docs: usize, seed: u64) -
     for _ in 0..counts[1] {
         let n = rng.random_range(spec.needles.0..=spec.needles.1);
         let r = rng.random_range(spec.asked.0..=spec.asked.1).min(n);
-        docs.push(needle_document(&clean, n, r, spec.doc_chars, &mut rng));
+        docs.push(needle_document(&clean, &spec.pairs, n, r, spec.doc_chars, &mut rng));
     }
+    // Recall documents are capped to fit doc_chars with their filler.
+    let per_pair_max = 2 * (spec.pairs.pair_chars() + 1) + spec.recall_filler.1 * 8;
+    let max_pairs = (spec.doc_chars / per_pair_max).max(1);
     for _ in 0..counts[2] {
+        let n = rng.random_range(spec.recall_pairs.0..=spec.recall_pairs.1).min(max_pairs);
+        let doc = recall_document(&words, &spec.pairs, n, spec.recall_filler, &mut rng).text();
+        docs.push(truncate_chars(doc, spec.doc_chars));
+    }
+    for _ in 0..counts[3] {
         let k = rng.random_range(spec.classes.0..=spec.classes.1);
         // shots limited so the document fits doc_chars (a line is at most 3 + 4 + 5 + 1 chars)
         let max_shots = (spec.doc_chars / 13).saturating_sub(1).max(1);
@@ -296,16 +455,24 @@ pub fn build_mixture(spec: &MixtureSpec, text: &str, n_docs: usize, seed: u64) -
     Ok(docs)
 }
 
-/// Number of documents of each kind (text, needle, icl) for `n_docs` documents.
-pub fn mixture_counts(spec: &MixtureSpec, n_docs: usize) -> [usize; 3] {
-    let f = [spec.text_fraction, spec.needle_fraction, spec.icl_fraction];
+/// At most `max` characters of an ASCII document (long filler words can overflow the estimate).
+fn truncate_chars(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        s.truncate(max);
+    }
+    s
+}
+
+/// Number of documents of each kind (text, needle, recall, icl) for `n_docs` documents.
+pub fn mixture_counts(spec: &MixtureSpec, n_docs: usize) -> [usize; 4] {
+    let f = [spec.text_fraction, spec.needle_fraction, spec.recall_fraction, spec.icl_fraction];
     let sum: f64 = f.iter().sum();
     let exact: Vec<f64> = f.iter().map(|x| x / sum * n_docs as f64).collect();
-    let mut counts = [0usize; 3];
-    for i in 0..3 {
+    let mut counts = [0usize; 4];
+    for i in 0..4 {
         counts[i] = exact[i].floor() as usize;
     }
-    let mut rem: Vec<(f64, usize)> = (0..3).map(|i| (exact[i] - counts[i] as f64, i)).collect();
+    let mut rem: Vec<(f64, usize)> = (0..4).map(|i| (exact[i] - counts[i] as f64, i)).collect();
     rem.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
     let mut left = n_docs - counts.iter().sum::<usize>();
     for (_, i) in rem {
@@ -318,16 +485,11 @@ pub fn mixture_counts(spec: &MixtureSpec, n_docs: usize) -> [usize; 3] {
     counts
 }
 
-/// The bundled corpus path (`data/shakespeare.txt` at the repository root).
-pub fn bundled_corpus() -> Result<std::path::PathBuf> {
-    difftx_train::data::bundled_corpus()
-}
-
 /// Reads `path` or, when None, the bundled corpus, with a clear error.
 pub fn read_corpus(path: Option<&std::path::Path>) -> Result<String> {
     let p = match path {
         Some(p) => p.to_path_buf(),
-        None => bundled_corpus()?,
+        None => difftx_train::data::bundled_corpus()?,
     };
     std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("cannot read text {}: {e}", p.display()))
 }

@@ -1,12 +1,13 @@
-//! Multi-needle retrieval in real haystack text (SPEC §4): N needles "The magic number of X is Y."
-//! in a haystack at depths 0..100%, R of them asked ("What is the magic number of X? "); a
-//! question counts as correct when the greedy answer equals Y exactly. Accuracy per
-//! (context length × depth) for each (N, R) sweep, written as JSON and a heatmap per sweep.
+//! Multi-needle retrieval in real haystack text (the paper's multi-needle test at small scale): N
+//! needles, key-value pairs `k:v` (shapes in [`PairFormat`]), in a haystack at depths 0..100%,
+//! R of them asked (a new line `k:`); a question counts as correct when the greedy answer equals
+//! the value exactly. Accuracy per (context length × depth) for each (N, R) sweep, written as
+//! JSON and a heatmap per sweep.
 //!
 //! Placement: the R asked needles sit together at the given depth; the N − R others at random
 //! depths. One prompt per asked needle (same context, different question).
 
-use crate::mixture::{clean_text, draw_needles, haystack, insert_at_depths, needle_question, needle_sentence, read_corpus};
+use crate::mixture::{clean_text, haystack, insert_at_depths, needle_question, needle_sentence, read_corpus, PairFormat};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use difftx_core::model::{last_logits, KvCache, Model};
@@ -30,6 +31,9 @@ pub struct NeedleOptions {
     pub seed: u64,
     /// Haystack text; None = the bundled corpus.
     pub haystack: Option<PathBuf>,
+    /// Keys and values of the needles.
+    #[serde(default)]
+    pub pairs: PairFormat,
 }
 
 impl Default for NeedleOptions {
@@ -41,6 +45,7 @@ impl Default for NeedleOptions {
             trials: 4,
             seed: 0,
             haystack: None,
+            pairs: PairFormat::default(),
         }
     }
 }
@@ -58,7 +63,10 @@ impl NeedleOptions {
         if let Some(d) = self.depths.iter().find(|d| !(0.0..=100.0).contains(*d)) {
             bail!("needle: depth {d} is outside 0..100 percent");
         }
-        Ok(())
+        if let Some(&(n, _)) = self.sweeps.iter().find(|s| s.0 > self.pairs.key_space()) {
+            bail!("needle: {n} needles need distinct keys, but the key format has only {}", self.pairs.key_space());
+        }
+        self.pairs.validate()
     }
 }
 
@@ -114,16 +122,18 @@ pub(crate) fn fit_tokens(tok: &Tokenizer, max_tokens: usize, mut hay: usize, bui
 
 /// One cell's contexts (public for tests): for a sweep (n, r), length `len` tokens, depth fraction `depth`.
 /// Returns (prompt text, prompt ids, answer, answer byte range in the prompt) per asked needle, or None when the needles and question do not fit.
+#[allow(clippy::too_many_arguments)]
 pub fn needle_prompts(
     tok: &Tokenizer,
     clean: &str,
+    fmt: &PairFormat,
     n: usize,
     r: usize,
     len: usize,
     depth: f64,
     rng: &mut impl Rng,
 ) -> Result<Option<Vec<NeedlePrompt>>> {
-    let needles = draw_needles(n, rng);
+    let needles = fmt.pairs(n, rng);
     let mut depths: Vec<f64> = Vec::with_capacity(n);
     for i in 0..n {
         depths.push(if i < r { depth } else { rng.random_range(0.0..=1.0) });
@@ -186,7 +196,7 @@ pub fn evaluate_needles(
         bail!("needle: haystack text is too short ({} usable characters)", clean.len());
     }
     let max = max_seq_len;
-    let ans_tokens = tok.encode("99")?.len();
+    let ans_tokens = tok.encode(&"9".repeat(opts.pairs.value_digits))?.len();
     let lengths = if opts.context_lengths.is_empty() { auto_lengths(max, ans_tokens) } else { opts.context_lengths.clone() };
     if let Some(l) = lengths.iter().find(|&&l| l + ans_tokens > max || l == 0) {
         bail!("needle: context length {l} does not fit the model's context of {max} tokens (answer needs {ans_tokens} more)");
@@ -203,7 +213,7 @@ pub fn evaluate_needles(
                 let (mut c, mut t, mut fits) = (0usize, 0usize, true);
                 for trial in 0..opts.trials {
                     let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[si as u64, li as u64, di as u64, trial as u64]));
-                    let Some(prompts) = needle_prompts(tok, &clean, n, r, len, d / 100.0, &mut rng)? else {
+                    let Some(prompts) = needle_prompts(tok, &clean, &opts.pairs, n, r, len, d / 100.0, &mut rng)? else {
                         fits = false;
                         break;
                     };
@@ -211,7 +221,7 @@ pub fn evaluate_needles(
                         let k = tok.encode(&want)?.len();
                         let got = tok.decode(&answer(&ids, k)?)?;
                         t += 1;
-                        if got.trim() == want {
+                        if got == want {
                             c += 1;
                         }
                     }
@@ -242,6 +252,7 @@ pub fn evaluate_needles(
         "context_lengths": lengths,
         "sweeps": sweeps_json,
         "mean_accuracy": all_correct as f64 / all_total as f64,
+        "chance_accuracy": opts.pairs.chance(),
     }))
 }
 
@@ -279,6 +290,7 @@ pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Res
         "context_lengths": res["context_lengths"],
         "sweeps": res["sweeps"],
         "mean_accuracy": res["mean_accuracy"],
+        "chance_accuracy": res["chance_accuracy"],
     });
     std::fs::write(out_dir.join("needle.json"), serde_json::to_string_pretty(&v)?)?;
     Ok(v)

@@ -5,19 +5,38 @@ fn corpus() -> String {
     read_corpus(None).unwrap()[..200_000].to_string()
 }
 
+/// Words of the form k:v (a pair of the default format: one letter, one digit).
+fn pairs_in(text: &str) -> Vec<(String, String)> {
+    text.split([' ', '\n'])
+        .filter_map(|w| {
+            let (k, v) = w.split_once(':')?;
+            let ok = k.len() == 1 && k.bytes().all(|c| c.is_ascii_lowercase()) && v.len() == 1 && v.bytes().all(|c| c.is_ascii_digit());
+            ok.then(|| (k.to_string(), v.to_string()))
+        })
+        .collect()
+}
+
 #[test]
 fn composition_is_exact_and_reproducible() {
-    let spec = MixtureSpec { text_fraction: 0.5, needle_fraction: 0.3, icl_fraction: 0.2, ..Default::default() };
+    let spec = MixtureSpec { text_fraction: 0.4, needle_fraction: 0.2, recall_fraction: 0.2, icl_fraction: 0.2, ..Default::default() };
     let text = corpus();
     let docs = build_mixture(&spec, &text, 100, 7).unwrap();
     assert_eq!(docs.len(), 100);
     assert_eq!(docs, build_mixture(&spec, &text, 100, 7).unwrap());
     assert_ne!(docs, build_mixture(&spec, &text, 100, 8).unwrap());
-    let needle = docs.iter().filter(|d| d.contains("What is the magic number of")).count();
     let icl = docs.iter().filter(|d| d.contains(" -> ")).count();
-    assert_eq!(needle, 30);
     assert_eq!(icl, 20);
-    assert_eq!(mixture_counts(&spec, 7), [4, 2, 1]);
+    // recall documents: a first line of pairs only, then a line querying every key once
+    let recall = docs
+        .iter()
+        .filter(|d| {
+            let mut lines = d.lines();
+            let first = lines.next().unwrap_or("");
+            !first.is_empty() && pairs_in(first).len() == first.split(' ').count()
+        })
+        .count();
+    assert_eq!(recall, 20);
+    assert_eq!(mixture_counts(&spec, 7), [3, 2, 1, 1]);
     for d in &docs {
         assert!(d.is_ascii());
         assert!(d.len() <= spec.doc_chars, "{} > {}: {d}", d.len(), spec.doc_chars);
@@ -28,16 +47,64 @@ fn composition_is_exact_and_reproducible() {
 fn needle_documents_answer_their_questions() {
     let text = clean_text(&corpus());
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let fmt = PairFormat::default();
     for _ in 0..50 {
-        let doc = needle_document(&text, 4, 2, 256, &mut rng);
-        let qs: Vec<&str> = doc.lines().filter(|l| l.starts_with("What is the magic number of ")).collect();
+        let doc = needle_document(&text, &fmt, 4, 2, 256, &mut rng);
+        let mut lines = doc.lines();
+        let body = lines.next().unwrap();
+        let qs: Vec<&str> = lines.collect();
         assert_eq!(qs.len(), 2, "{doc}");
+        assert_eq!(pairs_in(body).len(), 4, "{doc}");
         for q in qs {
-            let key = &q["What is the magic number of ".len().."What is the magic number of ".len() + 3];
-            let ans = q.rsplit(' ').next().unwrap();
-            assert!(doc.contains(&format!("The magic number of {key} is {ans}.")), "{doc}");
+            assert!(body.split(' ').any(|w| w == q), "question {q} not answered in {doc}");
         }
     }
+}
+
+#[test]
+fn recall_documents_query_every_pair_once() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let words = ["to", "be", "or", "not"];
+    for &(fmt, n, filler) in &[
+        (PairFormat::default(), 8, (0, 0)),
+        (PairFormat { key_len: 2, key_letters: 4, value_digits: 2 }, 12, (1, 3)),
+    ] {
+        let doc = recall_document(&words, &fmt, n, filler, &mut rng);
+        let text = doc.text();
+        let (ctx, queries) = text.split_once('\n').unwrap();
+        assert_eq!(doc.queries.len(), n);
+        let ctx_pairs: Vec<&str> = ctx.split(' ').filter(|w| w.contains(':')).collect();
+        assert_eq!(ctx_pairs.len(), n, "{text}");
+        let mut asked: Vec<&str> = queries.split(' ').collect();
+        let mut given = ctx_pairs.clone();
+        asked.sort();
+        given.sort();
+        assert_eq!(asked, given, "{text}");
+        for (p, v) in &doc.queries {
+            assert_eq!(v.len(), fmt.value_digits);
+            assert!(p.trim_start().len() == fmt.key_len + 1 && p.ends_with(':'));
+        }
+        if filler.1 == 0 {
+            assert_eq!(ctx.split(' ').count(), n);
+        } else {
+            assert!(ctx.split(' ').count() >= 2 * n);
+        }
+        assert!(text.len() <= recall_chars(&fmt, n) + 8 * n * filler.1);
+    }
+}
+
+#[test]
+fn pair_formats_have_the_stated_key_space_and_chance() {
+    let f = PairFormat { key_len: 2, key_letters: 5, value_digits: 2 };
+    assert_eq!(f.key_space(), 25);
+    assert!((f.chance() - 0.01).abs() < 1e-12);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let p = f.pairs(40, &mut rng);
+    assert_eq!(p.len(), 25, "capped at the key space");
+    assert!(p.iter().all(|(k, v)| k.len() == 2 && k.bytes().all(|c| (b'a'..b'f').contains(&c)) && v.len() == 2));
+    assert!(PairFormat { key_len: 0, ..f }.validate().is_err());
+    assert!(PairFormat { key_letters: 27, ..f }.validate().is_err());
+    assert!(PairFormat { value_digits: 0, ..f }.validate().is_err());
 }
 
 #[test]
@@ -71,7 +138,7 @@ fn synthetic_task_classes_are_consistent() {
 #[test]
 fn bad_specs_are_rejected() {
     let text = corpus();
-    let bad = MixtureSpec { text_fraction: 0.0, needle_fraction: 0.0, icl_fraction: 0.0, ..Default::default() };
+    let bad = MixtureSpec { text_fraction: 0.0, needle_fraction: 0.0, recall_fraction: 0.0, icl_fraction: 0.0, ..Default::default() };
     assert!(build_mixture(&bad, &text, 10, 0).unwrap_err().to_string().contains("fractions"));
     let bad = MixtureSpec { needles: (3, 1), ..Default::default() };
     assert!(build_mixture(&bad, &text, 10, 0).is_err());

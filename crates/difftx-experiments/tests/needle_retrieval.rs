@@ -13,30 +13,41 @@ fn tiny_model(dir: &Path, family: Family) {
     Tokenizer::bytes().save_to_model_dir(dir).unwrap();
 }
 
+/// Words k:v of the default format (one letter, one digit).
+fn needles_in(text: &str) -> Vec<&str> {
+    text.split([' ', '\n'])
+        .filter(|w| {
+            let b = w.as_bytes();
+            b.len() == 3 && b[0].is_ascii_lowercase() && b[1] == b':' && b[2].is_ascii_digit()
+        })
+        .collect()
+}
+
 #[test]
 fn prompts_hold_the_needles_at_their_depth_and_fit() {
     let tok = Tokenizer::bytes();
     let clean = clean_text(&read_corpus(None).unwrap()[..100_000]);
+    let fmt = difftx_experiments::mixture::PairFormat::default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     for &(n, r, len) in &[(1, 1, 120), (2, 2, 200), (4, 2, 250), (6, 2, 250)] {
         for &depth in &[0.0, 0.5, 1.0] {
-            let ps = needle_prompts(&tok, &clean, n, r, len, depth, &mut rng).unwrap().expect("fits");
+            let ps = needle_prompts(&tok, &clean, &fmt, n, r, len, depth, &mut rng).unwrap().expect("fits");
             assert_eq!(ps.len(), r);
             for (text, ids, answer, span) in &ps {
                 assert!(ids.len() <= len && ids.len() + 20 > len, "{} tokens for {len}", ids.len());
                 assert_eq!(&text[span.clone()], answer);
-                assert_eq!(text.matches("The magic number of").count(), n);
-                let q = text.rfind("What is the magic number of ").unwrap();
-                let key = &text[q + 28..q + 31];
-                assert!(text.contains(&format!("The magic number of {key} is {answer}.")));
-                let ctx_len = q as f64;
-                let rel = span.start as f64 / ctx_len;
-                assert!((rel - depth).abs() < 0.15 + (r as f64 * 31.0) / ctx_len, "depth {depth} but needle at {rel}");
+                let q = text.rfind('\n').unwrap();
+                let (ctx, question) = (&text[..q], &text[q + 1..]);
+                assert_eq!(needles_in(ctx).len(), n, "{text}");
+                let key = question.strip_suffix(':').unwrap();
+                assert!(needles_in(ctx).contains(&format!("{key}:{answer}").as_str()));
+                let rel = span.start as f64 / q as f64;
+                assert!((rel - depth).abs() < 0.15 + (r as f64 * 4.0) / q as f64, "depth {depth} but needle at {rel}");
             }
         }
     }
-    // 6 needles cannot fit into 100 tokens
-    assert!(needle_prompts(&tok, &clean, 6, 2, 100, 0.5, &mut rng).unwrap().is_none());
+    // 6 needles and a question cannot fit into 20 tokens
+    assert!(needle_prompts(&tok, &clean, &fmt, 6, 2, 20, 0.5, &mut rng).unwrap().is_none());
 }
 
 #[test]
@@ -49,15 +60,17 @@ fn untrained_model_fails_and_unfit_sweeps_are_null() {
     assert!(out.join("needle.png").metadata().unwrap().len() > 1000);
     assert!(out.join("needle.json").exists());
     let s0 = &v["sweeps"][0];
-    // a random model essentially never emits the right two digits
-    assert!(s0["mean_accuracy"].as_f64().unwrap() < 0.25);
-    // tiny context 128: lengths 63, 84, 105, 126; one needle + question need ~70 tokens
-    assert_eq!(s0["context_lengths"], serde_json::json!([63, 84, 105, 126]));
-    assert!(s0["accuracy"][0][0].is_null() && !s0["accuracy"][1][0].is_null());
-    assert_eq!(s0["questions"].as_u64().unwrap() as usize, 3 * 2 * 2);
-    // N=6 needs ~220 tokens, more than the tiny context of 128
-    assert!(v["sweeps"][1]["mean_accuracy"].is_null());
-    assert!(v["sweeps"][1]["accuracy"][0][0].is_null());
+    // a random model is near chance (one digit: 10%)
+    assert!(s0["mean_accuracy"].as_f64().unwrap() < 0.5);
+    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 0.1);
+    // tiny context 128: lengths 63, 84, 105, 127 (room for the one answer token)
+    assert_eq!(s0["context_lengths"], serde_json::json!([63, 84, 105, 127]));
+    assert_eq!(s0["questions"].as_u64().unwrap() as usize, 4 * 2 * 2);
+    // short needles: N=6 fits every length
+    assert!(!v["sweeps"][1]["accuracy"][0][0].is_null());
+    let opts = NeedleOptions { sweeps: vec![(6, 2)], context_lengths: vec![10], depths: vec![0.0], trials: 1, ..Default::default() };
+    let e = run_needle(dir.path(), &opts, &out).unwrap_err();
+    assert!(e.to_string().contains("too short"), "{e}");
 }
 
 #[test]
@@ -69,23 +82,26 @@ fn bad_options_give_clear_errors() {
     assert!(e.to_string().contains("R=2"), "{e}");
     let e = run_needle(dir.path(), &NeedleOptions { context_lengths: vec![4096], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
-    let e = run_needle(dir.path(), &NeedleOptions { sweeps: vec![(6, 2)], ..Default::default() }, &out).unwrap_err();
-    assert!(e.to_string().contains("too short"), "{e}");
+    let e = run_needle(dir.path(), &NeedleOptions { sweeps: vec![(30, 2)], ..Default::default() }, &out).unwrap_err();
+    assert!(e.to_string().contains("distinct keys"), "{e}");
     let e = run_needle(&dir.path().join("missing"), &NeedleOptions::default(), &out).unwrap_err();
     assert!(e.to_string().contains("cannot load"), "{e}");
 }
 
-/// An oracle that reads the prompt and answers the asked key's number; if `only_early`, it
-/// answers "00" whenever that needle sits in the second half of the context.
+/// An oracle that reads the prompt and answers the asked key's value; if `only_early`, it
+/// answers a wrong digit whenever that needle sits in the second half of the context.
 fn oracle(tok: &Tokenizer, ids: &[u32], k: usize, only_early: bool) -> anyhow::Result<Vec<u32>> {
     let text = tok.decode(ids)?;
-    let q = text.rfind("What is the magic number of ").unwrap();
-    let key = &text[q + 28..q + 31];
-    let pat = format!("The magic number of {key} is ");
-    let at = text.find(&pat).unwrap();
-    let value = &text[at + pat.len()..at + pat.len() + 2];
-    let early = (at as f64) < q as f64 / 2.0;
-    let ans = if only_early && !early { "00" } else { value };
+    let q = text.rfind('\n').unwrap();
+    let key = text[q + 1..].strip_suffix(':').unwrap();
+    let ctx = &text[..q];
+    let at = ctx.split(' ').position(|w| w.starts_with(&format!("{key}:"))).unwrap();
+    let word = ctx.split(' ').nth(at).unwrap();
+    let value = &word[key.len() + 1..];
+    let pos = ctx.find(word).unwrap();
+    let early = (pos as f64) < q as f64 / 2.0;
+    let wrong = if value == "0" { "1" } else { "0" };
+    let ans = if only_early && !early { wrong } else { value };
     let ids = tok.encode(ans)?;
     assert_eq!(ids.len(), k);
     Ok(ids)
@@ -112,7 +128,7 @@ fn oracle_answers_give_known_heatmaps() {
             seen += 1;
         }
     }
-    // N=6 fits only the longest context of 256 tokens; all four sweeps are measured
-    assert!(seen >= 4 + 3);
+    // short needles fit every context length: all four sweeps, four lengths each
+    assert_eq!(seen, 4 * 4);
     assert!((early["mean_accuracy"].as_f64().unwrap() - 0.5).abs() < 1e-9);
 }

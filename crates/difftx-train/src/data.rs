@@ -108,11 +108,27 @@ fn read_jsonl(path: &Path, field: &str) -> anyhow::Result<Vec<String>> {
     Ok(texts)
 }
 
+/// Where training windows may start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WindowStart {
+    /// Any token of the training stream (plain language-model training).
+    #[default]
+    Anywhere,
+    /// A document start (and every `seq_len` tokens inside a document longer than a window), so
+    /// that a short document is never cut: a retrieval question always sees its context.
+    DocumentStart,
+}
+
 /// A tokenised corpus split into a training and a validation stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenDataset {
     pub train: Vec<u32>,
     pub val: Vec<u32>,
+    /// Offsets in `train` where a window may start under [`WindowStart::DocumentStart`]: each
+    /// document's first token and every `seq_len` tokens after it inside the document, kept
+    /// when a whole window fits. Empty for a dataset not built from documents.
+    pub doc_starts: Vec<usize>,
 }
 
 impl TokenDataset {
@@ -137,11 +153,14 @@ impl TokenDataset {
         }
         let sep = tok.encode("\n")?;
         let mut tokens = Vec::new();
+        let mut docs = Vec::with_capacity(texts.len());
         for (i, text) in texts.iter().enumerate() {
             if i > 0 {
                 tokens.extend_from_slice(&sep);
             }
+            let start = tokens.len();
             tokens.extend(tok.encode(text)?);
+            docs.push(start..tokens.len());
         }
         let window = seq_len + 1;
         let n = tokens.len();
@@ -155,7 +174,13 @@ impl TokenDataset {
         }
         let val_len = ((n as f64 * val_fraction).ceil() as usize).clamp(window, n - window);
         let val = tokens.split_off(n - val_len);
-        Ok(TokenDataset { train: tokens, val })
+        let train_len = tokens.len();
+        let doc_starts = docs
+            .into_iter()
+            .flat_map(|d| d.step_by(seq_len))
+            .filter(|&s| s + window <= train_len)
+            .collect();
+        Ok(TokenDataset { train: tokens, val, doc_starts })
     }
 
     /// A batch of `batch` training windows of `seq_len + 1` tokens, at offsets drawn
@@ -180,6 +205,29 @@ impl TokenDataset {
         let mut targets = Vec::with_capacity(batch * seq_len);
         for _ in 0..batch {
             let start = rng.random_range(0..=max_start);
+            let w = &self.train[start..start + seq_len + 1];
+            inputs.extend_from_slice(&w[..seq_len]);
+            targets.extend_from_slice(&w[1..]);
+        }
+        (inputs, targets)
+    }
+
+    /// As [`Self::sample_train_batch`], with windows starting at the offsets `starts` allows.
+    /// Falls back to any offset when the dataset has no document starts.
+    pub fn sample_batch(
+        &self,
+        batch: usize,
+        seq_len: usize,
+        starts: WindowStart,
+        rng: &mut impl rand::Rng,
+    ) -> (Vec<u32>, Vec<u32>) {
+        if starts == WindowStart::Anywhere || self.doc_starts.is_empty() {
+            return self.sample_train_batch(batch, seq_len, rng);
+        }
+        let mut inputs = Vec::with_capacity(batch * seq_len);
+        let mut targets = Vec::with_capacity(batch * seq_len);
+        for _ in 0..batch {
+            let start = self.doc_starts[rng.random_range(0..self.doc_starts.len())];
             let w = &self.train[start..start + seq_len + 1];
             inputs.extend_from_slice(&w[..seq_len]);
             targets.extend_from_slice(&w[1..]);

@@ -12,7 +12,7 @@
 //! Every step's batch is drawn from an RNG seeded by (seed, step), so a resumed run sees exactly
 //! the batches the uninterrupted run would have seen.
 
-use crate::data::TokenDataset;
+use crate::data::{TokenDataset, WindowStart};
 use crate::optim::{grad_norm, AdamW, AdamWParams, Decay, Schedule};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -57,6 +57,9 @@ pub struct TrainOptions {
     pub log_every: usize,
     pub seed: u64,
     pub val_fraction: f64,
+    /// Where training windows start (document starts keep short documents whole).
+    #[serde(default)]
+    pub windows: WindowStart,
 }
 
 impl TrainOptions {
@@ -92,6 +95,9 @@ pub struct RunControl {
     pub kernels: Kernels,
     /// Show a progress bar (otherwise one log line per validation).
     pub progress: bool,
+    /// A bar shared by several runs (e.g. all of `compare`), advanced by one per step; when
+    /// set, the per-validation log lines are not printed.
+    pub overall: Option<indicatif::ProgressBar>,
 }
 
 /// Progress of a run, saved with each checkpoint.
@@ -301,7 +307,7 @@ fn run(
         let mut grads: Option<candle_core::backprop::GradStore> = None;
         let mut loss_sum = 0.0;
         for _ in 0..opts.grad_accum {
-            let (x, y) = ds.sample_train_batch(opts.batch_size, opts.seq_len, &mut rng);
+            let (x, y) = ds.sample_batch(opts.batch_size, opts.seq_len, opts.windows, &mut rng);
             let xs = Tensor::from_vec(x, (opts.batch_size, opts.seq_len), &dev)?;
             let ys = Tensor::from_vec(y, (opts.batch_size, opts.seq_len), &dev)?;
             let loss = Model::loss(&model.forward(&xs, None)?, &ys)?;
@@ -366,9 +372,12 @@ fn run(
             let v = evaluate(&model, &val, opts.seq_len)?;
             state.last_val_loss = Some(v);
             append_metric(&metrics, serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "val_loss": v}))?;
-            if !ctl.progress {
+            if !ctl.progress && ctl.overall.is_none() {
                 eprintln!("step {}/{} loss {loss:.4} val {v:.4} {tps:.0} tok/s", state.step, opts.steps);
             }
+        }
+        if let Some(o) = &ctl.overall {
+            o.inc(1);
         }
         bar.set_position(state.step as u64);
         bar.set_message(format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s"));

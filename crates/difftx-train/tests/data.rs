@@ -145,7 +145,7 @@ fn build_errors() {
 
 /// A dataset whose token ids are their positions, so windows are easy to check.
 fn counting(train: usize, val: usize) -> TokenDataset {
-    TokenDataset { train: (0..train as u32).collect(), val: (0..val as u32).map(|i| 10_000 + i).collect() }
+    TokenDataset { train: (0..train as u32).collect(), val: (0..val as u32).map(|i| 10_000 + i).collect(), doc_starts: Vec::new() }
 }
 
 #[test]
@@ -242,4 +242,29 @@ fn bundled_corpus_loads_into_a_dataset() {
     let ds = TokenDataset::build(&texts, &Tokenizer::bytes(), 256, 0.05).unwrap();
     assert_eq!(ds.train.len() + ds.val.len(), texts[0].len());
     assert_eq!(ds.val_batches(8, 256, 4).len(), 4);
+}
+
+#[test]
+fn document_start_windows_begin_at_documents() {
+    use difftx_train::data::WindowStart;
+    let tok = Tokenizer::bytes();
+    // documents of 5, 12 and 3 bytes, then a long tail document for validation
+    let texts: Vec<String> = vec!["aaaaa".into(), "bbbbbbbbbbbb".into(), "ccc".into(), "d".repeat(60)];
+    let ds = TokenDataset::build(&texts, &tok, 4, 0.3).unwrap();
+    // starts: 0; 6, 10, 14 (inside the 12-byte document every 4 tokens); 19; 23, 27, ... in "d"
+    assert_eq!(&ds.doc_starts[..5], &[0, 6, 10, 14, 19]);
+    assert!(ds.doc_starts.iter().all(|&s| s + 5 <= ds.train.len()));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    for _ in 0..20 {
+        let (x, y) = ds.sample_batch(3, 4, WindowStart::DocumentStart, &mut rng);
+        for (row, yr) in x.chunks(4).zip(y.chunks(4)) {
+            let start = (0..ds.train.len()).find(|&s| ds.train[s..s + 4] == *row && ds.doc_starts.contains(&s));
+            assert!(start.is_some(), "window {row:?} does not start at a document");
+            assert_eq!(&row[1..], &yr[..3]);
+        }
+    }
+    // Anywhere draws exactly what sample_train_batch draws
+    let mut a = rand::rngs::StdRng::seed_from_u64(3);
+    let mut b = rand::rngs::StdRng::seed_from_u64(3);
+    assert_eq!(ds.sample_batch(2, 4, WindowStart::Anywhere, &mut a), ds.sample_train_batch(2, 4, &mut b));
 }

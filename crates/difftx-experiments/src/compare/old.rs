@@ -101,6 +101,7 @@ pub struct CompareOptions {
     pub batch_size: usize,
     pub lr: f64,
     pub needle: NeedleOptions,
+    pub recall: crate::recall::RecallOptions,
     pub attention: AttentionOptions,
     pub icl: IclOptions,
     pub extra_instruments: Vec<ExtraInstrument>,
@@ -128,8 +129,9 @@ impl Default for CompareOptions {
             batch_size: 8,
             lr: 2e-3,
             needle: NeedleOptions { trials: 3, ..Default::default() },
+            recall: Default::default(),
             attention: AttentionOptions { trials: 3, ..Default::default() },
-            icl: IclOptions { orders: 8, episodes: 3, queries: 8, ..Default::default() },
+            icl: IclOptions { classes: 4, orders: 8, episodes: 3, queries: 8, ..Default::default() },
             extra_instruments: Vec::new(),
         }
     }
@@ -165,6 +167,7 @@ fn builtin_claims(sweeps: &[(usize, usize)]) -> Vec<(String, ClaimSpec)> {
         let paper = PAPER_NEEDLE.iter().find(|x| x.0 == (n, r)).map(|x| x.1).unwrap_or("not in the paper's table; higher for diff expected");
         v.push(c("needle", &format!("needle_n{n}r{r}"), &format!("Needle accuracy N={n}, R={r}"), paper, &format!("/sweeps/{i}/mean_accuracy"), Direction::Higher));
     }
+    v.push(c("recall", "recall_all", "Associative recall accuracy (MQAR), all pair counts", "not a paper experiment; the paper's retrieval claims predict higher for diff", "/mean_accuracy", Direction::Higher));
     v.extend([
         c("attention", "attn_answer", "Attention mass on the answer span", "baseline ≈0.03–0.09, diff ≈0.27–0.40 (by depth)", "/mean_answer_mass", Direction::Higher),
         c("attention", "attn_share", "Answer span's share of context attention, answer / (answer + noise)", "baseline ≈0.06–0.15, diff ≈0.93–0.98 (from the masses above)", "/mean_answer_share", Direction::Higher),
@@ -248,13 +251,20 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     } else {
         opts.needle.clone()
     };
+    let needle_opts = NeedleOptions { pairs: mixture.pairs, ..needle_opts };
+    let recall_opts = crate::recall::RecallOptions {
+        pairs: mixture.pairs,
+        filler: mixture.recall_filler,
+        documents: if quick { 2 } else { opts.recall.documents },
+        ..opts.recall.clone()
+    };
     let attn_opts = if quick { AttentionOptions { depths: vec![0.0, 50.0, 100.0], trials: 1, ..opts.attention.clone() } } else { opts.attention.clone() };
     let icl_opts = if quick { IclOptions { shots: 4, orders: 3, episodes: 1, queries: 4, ..opts.icl.clone() } } else { opts.icl.clone() };
 
     // Data: one mixture, one dataset, shared by every run.
     let data_path = match &opts.data {
         Some(p) => p.clone(),
-        None => crate::mixture::bundled_corpus()?,
+        None => difftx_train::data::bundled_corpus()?,
     };
     let text = read_corpus(Some(&data_path))?;
     let tokens_needed = steps.min(100_000) * batch * seq_len;
@@ -270,8 +280,10 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     // The exact training text, so each run's train_config.json names what it was trained on and
     // `difftx train --resume` rebuilds the same token stream (documents joined by "\n", as
     // TokenDataset::build joins separate texts).
-    let mixture_text = opts.out.join("mixture.txt");
-    std::fs::write(&mixture_text, docs.join("\n"))
+    let mixture_text = opts.out.join("mixture.jsonl");
+    let lines: Vec<String> =
+        docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect::<Vec<_>>();
+    std::fs::write(&mixture_text, lines.join("\n") + "\n")
         .with_context(|| format!("cannot write {}", mixture_text.display()))?;
 
     let mut runs: Vec<Run> = Vec::new();
@@ -303,6 +315,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
                 log_every: 1,
                 seed: 1000 + seed as u64,
                 val_fraction: 0.05,
+                windows: difftx_train::data::WindowStart::DocumentStart,
             };
             let done = dir.join("checkpoint").join(difftx_train::trainer::TRAINER_STATE_FILE);
             if dir.join(difftx_train::trainer::TRAIN_CONFIG_FILE).exists() {
@@ -328,6 +341,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
             let mut results = vec![("train".to_string(), serde_json::json!({"final_val_loss": final_val, "tokens": tokens, "tokens_per_sec": tps}))];
             let an = dir.join("analysis");
             results.push(("needle".into(), run_needle(&dir, &needle_opts, &an)?));
+            results.push(("recall".into(), crate::recall::run_recall(&dir, &recall_opts, &an)?));
             results.push(("attention".into(), run_attention(&dir, &attn_opts, &an)?));
             results.push(("icl".into(), run_icl(&dir, &icl_opts, &an)?));
             for x in &opts.extra_instruments {
