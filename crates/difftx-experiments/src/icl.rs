@@ -6,6 +6,15 @@
 //! Tasks: the synthetic task of `mixture` (default; per-episode random label words) or a JSONL
 //! file of {"text", "label"} objects (e.g. `data/eval/snips_intent.jsonl`, for models that read).
 //! Prompt format: lines `input -> label`, then `query ->`; a label is scored as " label".
+//!
+//! Fitting the model's context (`max_tokens`): long labelled texts (e.g. reviews) may not fit k
+//! demonstrations plus a query. Each episode then TRUNCATES its texts (demonstrations and
+//! queries alike) to their first B tokens, with B the largest common per-example budget that fits
+//! all k demonstrations, the longest query and the longest label. Only when B would fall below
+//! [`MIN_TEXT_TOKENS`] are demonstrations dropped (from the end of the drawn set) until one fits;
+//! when not even one demonstration plus a query fits at that budget, the run fails with a one-line
+//! error. The output records "skipped_examples" (demonstrations dropped) and "truncated_examples"
+//! (texts cut), summed over episodes, and a "note" (null when nothing was changed).
 
 use crate::mixture::{icl_line, icl_query, SyntheticTask};
 use crate::needle::{cell_seed, load};
@@ -75,7 +84,11 @@ pub fn order_stats(accuracies: &[f64]) -> (f64, f64) {
     (crate::stats::mean(accuracies), if accuracies.is_empty() { f64::NAN } else { max - min })
 }
 
+/// Smallest per-example token budget texts are truncated to before demonstrations are dropped.
+pub const MIN_TEXT_TOKENS: usize = 16;
+
 /// (text, label index) examples plus label names.
+#[derive(Clone)]
 struct Episode {
     labels: Vec<String>,
     demos: Vec<(String, usize)>,
@@ -143,6 +156,89 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
     Ok(eps)
 }
 
+/// How an episode was fitted to the context.
+struct Fitted {
+    ep: Episode,
+    skipped: usize,
+    truncated: usize,
+    /// The per-example token budget when texts had to be cut.
+    budget: Option<usize>,
+}
+
+/// `text` cut to at most `budget` tokens (its first tokens), and whether it was cut.
+fn truncate_text(tok: &Tokenizer, text: &str, budget: usize) -> Result<(String, bool)> {
+    let ids = tok.encode(text)?;
+    if ids.len() <= budget {
+        return Ok((text.to_string(), false));
+    }
+    // decoding a cut can change the count (a split character, BPE merges): shrink until it fits
+    let mut cut = budget;
+    loop {
+        let t = tok.decode(&ids[..cut])?;
+        if cut == 0 || tok.encode(&t)?.len() <= budget {
+            return Ok((t, true));
+        }
+        cut -= 1;
+    }
+}
+
+/// Fits one episode to `max_tokens` (see the module doc): prompt + label − 1 tokens must fit.
+fn fit_episode(tok: &Tokenizer, ep: &Episode, max_tokens: usize, label_tokens: usize) -> Result<Fitted> {
+    let len = |t: &str| -> Result<usize> { Ok(tok.encode(t)?.len()) };
+    let demo_len: Vec<usize> = ep.demos.iter().map(|(t, _)| len(t)).collect::<Result<_>>()?;
+    let demo_ov: Vec<usize> = ep.demos.iter().map(|(_, c)| len(&icl_line("", &ep.labels[*c]))).collect::<Result<_>>()?;
+    let query_len: Vec<usize> = ep.queries.iter().map(|(t, _)| len(t)).collect::<Result<_>>()?;
+    let query_ov = len(&icl_query(""))? + label_tokens.saturating_sub(1);
+    let longest = demo_len.iter().chain(&query_len).copied().max().unwrap_or(0);
+    // tokens needed with k demonstrations and every text cut to b tokens
+    let needed = |k: usize, b: usize| -> usize {
+        let d: usize = (0..k).map(|i| demo_len[i].min(b) + demo_ov[i]).sum();
+        d + query_len.iter().map(|&q| q.min(b)).max().unwrap_or(0) + query_ov
+    };
+    let mut slack = 0usize;
+    for _ in 0..8 {
+        let limit = max_tokens.saturating_sub(slack);
+        let choice = if needed(ep.demos.len(), longest) <= limit {
+            Some((ep.demos.len(), None))
+        } else {
+            // the largest budget for as many demonstrations as possible (b = longest: no cut)
+            (1..=ep.demos.len()).rev().find_map(|k| {
+                let b = (MIN_TEXT_TOKENS.min(longest)..=longest).rev().find(|&b| needed(k, b) <= limit)?;
+                Some((k, (b < longest).then_some(b)))
+            })
+        };
+        let Some((k, budget)) = choice else {
+            bail!(
+                "icl: not even one demonstration plus a query fits the model's context of {max_tokens} tokens \
+                 (texts cut to {MIN_TEXT_TOKENS} tokens, labels up to {label_tokens} tokens)"
+            );
+        };
+        let mut out = Episode { labels: ep.labels.clone(), demos: Vec::new(), queries: Vec::new() };
+        let mut truncated = 0usize;
+        for (src, dst) in [(&ep.demos[..k], &mut out.demos), (&ep.queries[..], &mut out.queries)] {
+            for (t, c) in src {
+                let (t, cut) = match budget {
+                    Some(b) => truncate_text(tok, t, b)?,
+                    None => (t.clone(), false),
+                };
+                truncated += cut as usize;
+                dst.push((t, *c));
+            }
+        }
+        // check the real prompts (token counts of a concatenation can differ from the sum)
+        let context: String = out.demos.iter().map(|(x, c)| icl_line(x, &out.labels[*c])).collect();
+        let mut worst = 0usize;
+        for (q, _) in &out.queries {
+            worst = worst.max(len(&format!("{context}{}", icl_query(q)))? + label_tokens.saturating_sub(1));
+        }
+        if worst <= max_tokens {
+            return Ok(Fitted { ep: out, skipped: ep.demos.len() - k, truncated, budget });
+        }
+        slack += worst - max_tokens;
+    }
+    bail!("icl: could not fit the prompts into the model's context of {max_tokens} tokens")
+}
+
 /// Accuracy of one ordering of `demos` on the episode's queries.
 fn order_accuracy(
     tok: &Tokenizer,
@@ -170,11 +266,18 @@ fn order_accuracy(
 }
 
 /// The order-robustness measurement with any label scorer `score(prompt_ids, label_ids)` (the
-/// model's log-probability in [`run_icl`]; an oracle in tests). Returns `{"episodes": [{labels,
-/// order_accuracies, mean_accuracy, margin}], "chance_accuracy", "mean_accuracy", "margin"}`
+/// model's log-probability in [`run_icl`]; an oracle in tests), for a model whose context is
+/// `max_tokens` (prompts are fitted to it: see the module doc). Returns `{"episodes": [{labels,
+/// shots, text_budget, order_accuracies, mean_accuracy, margin}], "chance_accuracy",
+/// "mean_accuracy", "margin", "max_tokens", "skipped_examples", "truncated_examples", "note"}`
 /// where `margin` is the mean over episodes of best − worst order accuracy. The first order of
 /// each episode is the drawn order, the others random permutations of it.
-pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut Scorer<'_>) -> Result<serde_json::Value> {
+pub fn evaluate_icl(
+    tok: &Tokenizer,
+    opts: &IclOptions,
+    max_tokens: usize,
+    score: &mut Scorer<'_>,
+) -> Result<serde_json::Value> {
     if opts.shots == 0 || opts.orders == 0 || opts.episodes == 0 || opts.queries == 0 {
         bail!("icl: shots, orders, episodes and queries must be positive");
     }
@@ -182,8 +285,15 @@ pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut Scorer<'_>) 
     let mut per_episode = Vec::new();
     let mut all_acc = Vec::new();
     let mut margins = Vec::new();
+    let (mut skipped, mut truncated, mut budgets) = (0usize, 0usize, Vec::new());
     for (e, ep) in eps.iter().enumerate() {
         let label_ids: Vec<Vec<u32>> = ep.labels.iter().map(|l| tok.encode(&format!(" {l}"))).collect::<Result<_>>()?;
+        let label_tokens = label_ids.iter().map(|l| l.len()).max().unwrap_or(1);
+        let fitted = fit_episode(tok, ep, max_tokens, label_tokens)?;
+        skipped += fitted.skipped;
+        truncated += fitted.truncated;
+        budgets.extend(fitted.budget);
+        let ep = &fitted.ep;
         let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[41, e as u64]));
         let mut accs = Vec::with_capacity(opts.orders);
         for o in 0..opts.orders {
@@ -196,15 +306,45 @@ pub fn evaluate_icl(tok: &Tokenizer, opts: &IclOptions, score: &mut Scorer<'_>) 
         let (m, margin) = order_stats(&accs);
         all_acc.extend_from_slice(&accs);
         margins.push(margin);
-        per_episode.push(serde_json::json!({"labels": ep.labels, "order_accuracies": accs, "mean_accuracy": m, "margin": margin}));
+        per_episode.push(serde_json::json!({
+            "labels": ep.labels,
+            "shots": ep.demos.len(),
+            "text_budget": fitted.budget,
+            "order_accuracies": accs,
+            "mean_accuracy": m,
+            "margin": margin,
+        }));
     }
     let chance = crate::stats::mean(&eps.iter().map(|e| 1.0 / e.labels.len() as f64).collect::<Vec<_>>());
+    let note = if skipped + truncated == 0 {
+        serde_json::Value::Null
+    } else {
+        let lo = budgets.iter().min().copied().unwrap_or(0);
+        let hi = budgets.iter().max().copied().unwrap_or(0);
+        let cut = if budgets.is_empty() {
+            String::new()
+        } else if lo == hi {
+            format!(" to their first {lo} tokens")
+        } else {
+            format!(" to their first {lo}..{hi} tokens (per episode)")
+        };
+        serde_json::json!(format!(
+            "to fit the model's context of {max_tokens} tokens, {truncated} text(s) were truncated{cut} and \
+             {skipped} demonstration(s) dropped (over {} episodes of {} shots)",
+            eps.len(),
+            opts.shots
+        ))
+    };
     Ok(serde_json::json!({
         "task": opts.data.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "synthetic".into()),
         "chance_accuracy": chance,
         "episodes": per_episode,
         "mean_accuracy": crate::stats::mean(&all_acc),
         "margin": crate::stats::mean(&margins),
+        "max_tokens": max_tokens,
+        "skipped_examples": skipped,
+        "truncated_examples": truncated,
+        "note": note,
     }))
 }
 
@@ -214,7 +354,8 @@ pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<se
         bail!("icl: shots, orders, episodes and queries must be positive");
     }
     let (model, tok) = load(model_dir)?;
-    let res = evaluate_icl(&tok, opts, &mut |p, l| continuation_logprob(&model, p, l))?;
+    let ctx = model.config().max_seq_len;
+    let res = evaluate_icl(&tok, opts, ctx, &mut |p, l| continuation_logprob(&model, p, l))?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     let series: Vec<(String, Vec<f64>)> = res["episodes"]
         .as_array()
@@ -236,6 +377,10 @@ pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<se
         "episodes": res["episodes"],
         "mean_accuracy": res["mean_accuracy"],
         "margin": res["margin"],
+        "max_tokens": res["max_tokens"],
+        "skipped_examples": res["skipped_examples"],
+        "truncated_examples": res["truncated_examples"],
+        "note": res["note"],
     });
     std::fs::write(out_dir.join("icl.json"), serde_json::to_string_pretty(&v)?)?;
     Ok(v)

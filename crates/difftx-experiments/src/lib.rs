@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod common;
 pub mod compare;
+pub mod efficiency;
 pub mod icl;
 pub mod mixture;
 pub mod needle;

@@ -91,13 +91,99 @@ fn bad_options_are_errors() {
 }
 
 #[test]
-fn share_is_reported_and_consistent() {
+fn allocations_are_reported_and_consistent() {
+    for family in [Family::Baseline, Family::DiffV1] {
+        let dir = tempfile::tempdir().unwrap();
+        tiny_model(dir.path(), family);
+        let opts = AttentionOptions { depths: vec![25.0, 75.0], trials: 2, sink_windows: 2, ..Default::default() };
+        let v = run_attention(dir.path(), &opts, &dir.path().join("o")).unwrap();
+        assert!(v.get("mean_answer_share").is_none());
+        assert!(v["definitions"].as_str().unwrap().contains("by construction"));
+        let mut aas = Vec::new();
+        for d in v["depths"].as_array().unwrap() {
+            let (a, n) = (d["answer_alloc"].as_f64().unwrap(), d["noise_alloc"].as_f64().unwrap());
+            assert!((-1.0..=1.0).contains(&a) && (0.0..=1.0).contains(&n), "{a} {n}");
+            if family == Family::Baseline {
+                // softmax rows: the two shares of the context's attention sum to 1
+                assert!((a + n - 1.0).abs() < 1e-5, "{a} {n}");
+            }
+            assert!(d["answer_mass"].as_f64().unwrap().is_finite());
+            aas.push(a);
+        }
+        let mean = v["mean_answer_alloc"].as_f64().unwrap();
+        assert!((mean - (aas[0] + aas[1]) / 2.0).abs() < 1e-12);
+        assert!(v["mean_noise_alloc"].as_f64().unwrap().is_finite());
+        // the best head beats (or equals) the mean over heads
+        let b = &v["best_head"];
+        assert!(b["answer_alloc"].as_f64().unwrap() >= mean - 1e-12, "{b}");
+        assert!(b["layer"].as_u64().is_some() && b["head"].as_u64().is_some());
+        let s = &v["sink"];
+        assert_eq!(s["windows"].as_u64().unwrap(), 2);
+        for k in ["first_token_share", "punct_share", "punct_fraction", "first_token_uniform"] {
+            let x = s[k].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&x), "{k} = {x}");
+        }
+        assert!(s["punct_fraction"].as_f64().unwrap() > 0.0);
+    }
+    // sink_windows = 0 skips the sink measure
     let dir = tempfile::tempdir().unwrap();
-    tiny_model(dir.path(), Family::Baseline);
-    let v = run_attention(dir.path(), &AttentionOptions { depths: vec![50.0], trials: 1, ..Default::default() }, &dir.path().join("o")).unwrap();
-    let d = &v["depths"][0];
-    let (a, n, s) = (d["answer_mass"].as_f64().unwrap(), d["noise_mass"].as_f64().unwrap(), d["answer_share"].as_f64().unwrap());
-    // one trial: the share is exactly answer / (answer + noise)
-    assert!((s - a / (a + n)).abs() < 1e-12);
-    assert_eq!(v["mean_answer_share"].as_f64().unwrap(), s);
+    tiny_model(dir.path(), Family::DiffV2);
+    let opts = AttentionOptions { depths: vec![50.0], trials: 1, sink_windows: 0, ..Default::default() };
+    let v = run_attention(dir.path(), &opts, &dir.path().join("o")).unwrap();
+    assert!(v["sink"].is_null());
+}
+
+fn rows_map(heads: &[Vec<Vec<f32>>]) -> Tensor {
+    let (h, t, s) = (heads.len(), heads[0].len(), heads[0][0].len());
+    let v: Vec<f32> = heads.iter().flatten().flatten().copied().collect();
+    Tensor::from_vec(v, (h, t, s), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn row_allocation_known_values() {
+    // softmax-like row: context 0..4, answer 1..2; key 4 is outside the context
+    let r = row_allocation(&[0.1, 0.4, 0.2, 0.1, 0.2], 1..2, 0..4).unwrap();
+    assert!((r.answer - 0.4 / 0.8).abs() < 1e-12 && (r.noise - 0.4 / 0.8).abs() < 1e-12, "{r:?}");
+    let r = row_allocation(&[0.1, 0.4, 0.2, 0.3], 1..3, 0..4).unwrap();
+    assert!((r.answer - 0.6).abs() < 1e-12 && (r.noise - 0.4).abs() < 1e-12 && (r.answer + r.noise - 1.0).abs() < 1e-12);
+    // signed row (diff map): negative answer weights count as negative, noise by magnitude
+    let r = row_allocation(&[0.2, 0.5, -0.1, -0.05, 0.7], 1..3, 0..4).unwrap();
+    assert!((r.answer - 0.4 / 0.85).abs() < 1e-12, "{r:?}");
+    assert!((r.noise - 0.25 / 0.85).abs() < 1e-12, "{r:?}");
+    let r = row_allocation(&[0.1, -0.3, 0.0], 1..2, 0..3).unwrap();
+    assert!((r.answer + 0.75).abs() < 1e-12 && (r.noise - 0.25).abs() < 1e-12);
+    // zero mass over the context: undefined
+    assert!(row_allocation(&[0.0, 0.0, 0.0, 1.0], 1..2, 0..3).is_none());
+    assert!(row_allocation(&[f64::NAN, 0.1], 1..2, 0..2).is_none());
+}
+
+#[test]
+fn head_allocations_skip_zero_rows_and_pick_the_best_head() {
+    // 2 heads, T = S = 3, query row 2, answer 1..2, context 0..2
+    let m = rows_map(&[
+        vec![vec![1.0, 0.0, 0.0], vec![0.5, 0.5, 0.0], vec![0.25, 0.75, 0.0]],
+        vec![vec![1.0, 0.0, 0.0], vec![0.5, 0.5, 0.0], vec![0.0, 0.0, 1.0]],
+    ]);
+    let h = head_allocations(&m, 2, 1..2, 0..2).unwrap();
+    assert!((h[0].answer - 0.75).abs() < 1e-6 && (h[0].noise - 0.25).abs() < 1e-6);
+    assert!(h[1].answer.is_nan() && h[1].noise.is_nan());
+    let grid = layer_head_allocations(&[m.clone(), m.unsqueeze(0).unwrap()], 2, 1..2, 0..2).unwrap();
+    assert_eq!((grid.len(), grid[0].len()), (2, 2));
+    let mean = mean_allocation(&grid);
+    assert!((mean.answer - 0.75).abs() < 1e-6 && (mean.noise - 0.25).abs() < 1e-6, "{mean:?}");
+    assert!(head_allocations(&m, 3, 1..2, 0..2).is_err());
+    assert!(layer_head_allocations(&[], 2, 1..2, 0..2).is_err());
+
+    // best head: averaged over prompts, NaN skipped
+    let a = |x: f64| SpanAlloc { answer: x, noise: 1.0 - x };
+    let p1 = vec![vec![a(0.1), a(0.5)], vec![a(0.3), SpanAlloc::NAN]];
+    let p2 = vec![vec![a(0.1), a(0.1)], vec![a(0.5), a(0.9)]];
+    // means: (0,0) 0.1, (0,1) 0.3, (1,0) 0.4, (1,1) 0.9 (one prompt only)
+    let b = best_head(&[p1.clone(), p2]).unwrap();
+    assert_eq!((b.layer, b.head), (1, 1));
+    assert!((b.answer_alloc - 0.9).abs() < 1e-12);
+    let b = best_head(&[p1]).unwrap();
+    assert_eq!((b.layer, b.head), (0, 1));
+    assert!(best_head(&[]).is_none());
+    assert!(best_head(&[vec![vec![SpanAlloc::NAN]]]).is_none());
 }

@@ -82,9 +82,20 @@ fn data_file_and_errors() {
     let dir = tempfile::tempdir().unwrap();
     tiny_model(dir.path(), Family::DiffV2);
     let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/eval/snips_intent.jsonl");
-    // snips sentences are long: 8 shots do not fit the tiny context
-    let e = run_icl(dir.path(), &IclOptions { data: Some(data.clone()), ..Default::default() }, &dir.path().join("o")).unwrap_err();
-    assert!(e.to_string().contains("context"), "{e}");
+    // snips sentences are long: 8 shots do not fit the tiny context as they are, so texts are
+    // truncated (and demonstrations dropped if needed) instead of failing
+    let small = IclOptions { data: Some(data.clone()), orders: 1, episodes: 1, queries: 2, ..Default::default() };
+    let v = run_icl(dir.path(), &small, &dir.path().join("o")).unwrap();
+    let changed = v["skipped_examples"].as_u64().unwrap() + v["truncated_examples"].as_u64().unwrap();
+    assert!(changed > 0, "{v}");
+    assert!(v["note"].as_str().unwrap().contains("context of 128 tokens"), "{v}");
+    assert_eq!(v["max_tokens"].as_u64().unwrap(), 128);
+    // a context too small for one demonstration plus a query is a one-line error
+    let tiny = tempfile::tempdir().unwrap();
+    tiny_model_ctx(tiny.path(), Family::DiffV2, 24);
+    let e = run_icl(tiny.path(), &small, &dir.path().join("o")).unwrap_err();
+    assert!(e.to_string().contains("not even one demonstration"), "{e}");
+    assert!(!e.to_string().contains('\n'), "{e}");
     let long = tempfile::tempdir().unwrap();
     tiny_model_ctx(long.path(), Family::DiffV2, 512);
     let v = run_icl(long.path(), &IclOptions { data: Some(data), shots: 2, orders: 1, episodes: 1, queries: 2, ..Default::default() }, &dir.path().join("o")).unwrap();
@@ -113,7 +124,7 @@ fn oracle_scorers_give_known_accuracy_and_margin() {
     let tok = Tokenizer::bytes();
     let opts = IclOptions { shots: 6, classes: 2, orders: 8, episodes: 3, queries: 7, ..Default::default() };
     // knows the rule (first letter a-m vs n-z) and reads the label words off the demonstrations
-    let v = evaluate_icl(&tok, &opts, &mut |p, l| {
+    let v = evaluate_icl(&tok, &opts, 100_000, &mut |p, l| {
         let (demos, q, label) = parse(&tok, p, l);
         let group = |s: &str| s.as_bytes()[0] < b'n';
         let right = demos.iter().find(|(x, _)| group(x) == group(&q)).map(|(_, y)| y.clone()).unwrap();
@@ -124,7 +135,7 @@ fn oracle_scorers_give_known_accuracy_and_margin() {
     assert_eq!(v["margin"].as_f64().unwrap(), 0.0);
     assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 0.5);
     // recency bias: always the last demonstration's label -> accuracy depends on the order
-    let v = evaluate_icl(&tok, &opts, &mut |p, l| {
+    let v = evaluate_icl(&tok, &opts, 100_000, &mut |p, l| {
         let (demos, _, label) = parse(&tok, p, l);
         Ok(if label == demos.last().unwrap().1 { 0.0 } else { -1.0 })
     })
@@ -139,4 +150,83 @@ fn oracle_scorers_give_known_accuracy_and_margin() {
         let a0 = accs[0];
         assert!(accs.iter().all(|a| (*a - a0).abs() < 1e-12 || (*a - (1.0 - a0)).abs() < 1e-12), "{accs:?}");
     }
+}
+
+/// 24 labelled texts of 400 bytes each ("good ..." / "bad ..."), labels "pos" / "neg".
+fn long_texts(dir: &Path) -> std::path::PathBuf {
+    let mut lines = String::new();
+    for i in 0..24 {
+        let (word, label) = if i % 2 == 0 { ("good", "pos") } else { ("bad", "neg") };
+        let mut t = String::new();
+        while t.len() < 400 {
+            t.push_str(&format!("{word} {i} "));
+        }
+        t.truncate(400);
+        lines.push_str(&format!("{{\"text\": \"{t}\", \"label\": \"{label}\"}}\n"));
+    }
+    let p = dir.join("long.jsonl");
+    std::fs::write(&p, lines).unwrap();
+    p
+}
+
+#[test]
+fn long_texts_are_truncated_to_fit_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = long_texts(dir.path());
+    let tok = Tokenizer::bytes();
+    let ctx = 256;
+    // oracle: reads the (possibly truncated) query's first word; checks every prompt fits
+    let mut oracle = |p: &[u32], l: &[u32]| -> anyhow::Result<f64> {
+        if p.len() + l.len() - 1 > ctx {
+            anyhow::bail!("prompt of {} tokens does not fit {ctx}", p.len());
+        }
+        let (demos, q, label) = parse(&tok, p, l);
+        assert!(!demos.is_empty());
+        let right = if q.starts_with("good") { "pos" } else { "neg" };
+        Ok(if label == right { 0.0 } else { -1.0 })
+    };
+    // 4 shots: 4·(b + 8) + b + 6 <= 256 -> every text cut to b = 43 tokens, none dropped
+    let opts = IclOptions { shots: 4, orders: 3, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
+    let v = evaluate_icl(&tok, &opts, ctx, &mut oracle).unwrap();
+    assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
+    assert_eq!(v["skipped_examples"].as_u64().unwrap(), 0);
+    assert_eq!(v["truncated_examples"].as_u64().unwrap(), 2 * (4 + 4));
+    for e in v["episodes"].as_array().unwrap() {
+        assert_eq!(e["shots"].as_u64().unwrap(), 4);
+        assert_eq!(e["text_budget"].as_u64().unwrap(), 43);
+    }
+    assert!(v["note"].as_str().unwrap().contains("43 tokens"), "{}", v["note"]);
+    // 12 shots: the budget would fall below MIN_TEXT_TOKENS, so demonstrations are dropped until
+    // 9 fit at b = 17 (10·b + 78 <= 256)
+    assert_eq!(MIN_TEXT_TOKENS, 16);
+    let opts = IclOptions { shots: 12, orders: 2, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
+    let v = evaluate_icl(&tok, &opts, ctx, &mut oracle).unwrap();
+    assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
+    assert_eq!(v["skipped_examples"].as_u64().unwrap(), 2 * 3);
+    assert_eq!(v["truncated_examples"].as_u64().unwrap(), 2 * (9 + 4));
+    assert_eq!(v["episodes"][0]["shots"].as_u64().unwrap(), 9);
+    assert_eq!(v["episodes"][0]["text_budget"].as_u64().unwrap(), 17);
+    // short texts that fit: nothing is changed
+    let opts = IclOptions { shots: 2, orders: 2, episodes: 1, queries: 2, data: Some(data.clone()), ..Default::default() };
+    let v = evaluate_icl(&tok, &opts, 100_000, &mut |_, _| Ok(0.0)).unwrap();
+    assert_eq!(v["truncated_examples"].as_u64().unwrap(), 0);
+    assert!(v["note"].is_null() && v["episodes"][0]["text_budget"].is_null());
+    // not even one demonstration plus a query at 16 tokens each: (16 + 8) + 16 + 6 = 46 > 40
+    let e = evaluate_icl(&tok, &opts, 40, &mut |_, _| Ok(0.0)).unwrap_err();
+    assert!(e.to_string().contains("not even one demonstration"), "{e}");
+}
+
+#[test]
+fn long_texts_run_on_a_256_token_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = long_texts(dir.path());
+    tiny_model_ctx(dir.path(), Family::DiffV1, 256);
+    let opts = IclOptions { shots: 1, orders: 2, episodes: 1, queries: 2, data: Some(data), ..Default::default() };
+    let v = run_icl(dir.path(), &opts, &dir.path().join("o")).unwrap();
+    assert_eq!(v["truncated_examples"].as_u64().unwrap(), 3);
+    assert_eq!(v["skipped_examples"].as_u64().unwrap(), 0);
+    assert!(v["note"].is_string());
+    let text = std::fs::read_to_string(dir.path().join("o/icl.json")).unwrap();
+    let saved: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(saved["truncated_examples"], v["truncated_examples"]);
 }

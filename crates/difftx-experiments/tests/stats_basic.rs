@@ -43,3 +43,55 @@ fn verdicts_follow_the_ci() {
     assert_eq!(paired_differences(&[3.0, f64::NAN, 5.0], &[1.0, 2.0, 1.0]), vec![2.0, 4.0]);
     assert_eq!(up.display(2).split(" ± ").count(), 2);
 }
+
+#[test]
+fn t80_table_values() {
+    assert!((t_quantile_80(1) - 1.376).abs() < 1e-9);
+    assert!((t_quantile_80(2) - 1.061).abs() < 1e-9);
+    assert!((t_quantile_80(30) - 0.854).abs() < 1e-9);
+    assert!((t_quantile_80(10_000) - 0.842).abs() < 1e-9);
+    assert!(t_quantile_80(0).is_nan());
+    for df in 1..200 {
+        assert!(t_quantile_80(df + 1) <= t_quantile_80(df));
+        assert!(t_quantile_80(df) < t_critical_95(df));
+    }
+}
+
+#[test]
+fn min_detectable_effect_known_values() {
+    // n = 3 (df 2), differences 1, 2, 3: s = 1
+    let s = summarize(&[1.0, 2.0, 3.0]);
+    let mde = min_detectable_effect(&s).unwrap();
+    assert!((mde - (4.303 + 1.061) / 3f64.sqrt()).abs() < 1e-9, "{mde}");
+    // n = 5 (df 4): s = sqrt(2.5)
+    let s = summarize(&[0.0, 1.0, 2.0, 3.0, 4.0]);
+    let want = (2.776 + 0.941) * 2.5f64.sqrt() / 5f64.sqrt();
+    assert!((min_detectable_effect(&s).unwrap() - want).abs() < 1e-9);
+    // more seeds with the same spread detect smaller effects
+    let many: Vec<f64> = (0..20).map(|i| (i % 5) as f64).collect();
+    assert!(min_detectable_effect(&summarize(&many)).unwrap() < want);
+    assert_eq!(min_detectable_effect(&summarize(&[2.0, 2.0])), Some(0.0));
+    assert_eq!(min_detectable_effect(&summarize(&[1.0])), None);
+    assert_eq!(min_detectable_effect(&summarize(&[])), None);
+}
+
+#[test]
+fn accuracy_guard_floor_ceiling_undefined() {
+    // chance 0: floor at 0.10
+    assert!(accuracy_guard(0.05, 0.0).unwrap().starts_with("floor"));
+    assert_eq!(accuracy_guard(0.10, 0.0), None);
+    assert_eq!(accuracy_guard(0.5, 0.0), None);
+    // chance 0.5: floor at 0.55
+    assert!(accuracy_guard(0.54, 0.5).unwrap().starts_with("floor"));
+    assert_eq!(accuracy_guard(0.56, 0.5), None);
+    assert!(accuracy_guard(0.95, 0.5).unwrap().starts_with("ceiling"));
+    assert_eq!(accuracy_guard(0.90, 0.5), None);
+    assert!(accuracy_guard(f64::NAN, 0.5).unwrap().starts_with("undefined"));
+    assert!(accuracy_guard(0.5, f64::INFINITY).unwrap().starts_with("undefined"));
+    let up = summarize(&[0.5, 0.6, 0.55]);
+    assert_eq!(guarded_verdict(&up, Direction::Higher, None), Verdict::Reproduced);
+    let g = accuracy_guard(0.99, 0.0);
+    assert_eq!(guarded_verdict(&up, Direction::Higher, g.as_deref()), Verdict::Uninformative);
+    assert_eq!(Verdict::Uninformative.as_str(), "uninformative");
+    assert_eq!(serde_json::to_string(&Verdict::Uninformative).unwrap(), "\"uninformative\"");
+}
