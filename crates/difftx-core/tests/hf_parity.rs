@@ -430,6 +430,12 @@ fn export_errors() {
     w.remove("model.layers.1.self_attn.subln.weight");
     let e = format!("{:#}", export_hf(&cfg, &w, &dir.join("miss")).unwrap_err());
     assert!(e.contains("model.layers.1.self_attn.subln.weight"), "{e}");
+    let mut cfg = native_config(Family::DiffV1);
+    cfg.subln = false;
+    let w = random_weights(&cfg, 1);
+    let e = format!("{:#}", export_hf(&cfg, &w, &dir.join("nosubln")).unwrap_err());
+    assert!(e.contains("subln: false") && !e.contains('\n'), "{e}");
+    assert!(!dir.join("nosubln").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
