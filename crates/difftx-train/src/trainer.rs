@@ -115,21 +115,12 @@ fn batch_rng(seed: u64, step: usize) -> rand::rngs::StdRng {
     rand::rngs::StdRng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
-/// Mean validation loss over the dataset's deterministic validation batches.
-pub fn evaluate(model: &Model, batches: &[(Vec<u32>, Vec<u32>, usize)], seq_len: usize) -> Result<f64> {
+/// Mean validation loss; the validation split yields at least one batch by construction.
+fn evaluate(model: &Model, batches: &[crate::eval::Batch], seq_len: usize) -> Result<f64> {
     if batches.is_empty() {
         bail!("no validation batches: the validation split is shorter than one sequence");
     }
-    let dev = model.device();
-    let (mut total, mut count) = (0.0, 0usize);
-    for (x, y, rows) in batches {
-        let xs = Tensor::from_slice(x, (*rows, seq_len), dev)?;
-        let ys = Tensor::from_slice(y, (*rows, seq_len), dev)?;
-        let loss = Model::loss(&model.forward(&xs, None)?, &ys)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        total += loss * (*rows * seq_len) as f64;
-        count += rows * seq_len;
-    }
-    Ok(total / count as f64)
+    crate::eval::mean_loss(model, batches, seq_len)
 }
 
 fn append_metric(path: &Path, value: serde_json::Value) -> Result<()> {
