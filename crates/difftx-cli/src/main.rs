@@ -517,7 +517,8 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     );
     println!("{:<28}{:>14}{:>14}{:>14}", "parameters", "baseline", "diff-v1", "diff-v2");
     let counts: Vec<_> = Family::ALL.iter().map(|f| cfg.with_family(*f).param_counts()).collect();
-    let rows: [(&str, fn(&difftx_core::config::ParamCounts) -> usize); 7] = [
+    type Field = fn(&difftx_core::config::ParamCounts) -> usize;
+    let rows: [(&str, Field); 7] = [
         ("embedding", |c| c.embedding),
         ("attention projections", |c| c.attention_projections),
         ("attention extra (λ, norm)", |c| c.attention_extra),

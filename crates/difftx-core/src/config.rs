@@ -245,17 +245,17 @@ impl ModelConfig {
         if self.n_kv_heads == 0 || self.d_ff == 0 || self.max_seq_len == 0 {
             return bad("n_kv_heads, d_ff and max_seq_len must be positive".into());
         }
-        if self.head_dim.is_none() && self.d_model % self.n_heads != 0 {
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
             return bad(format!(
                 "d_model {} is not divisible by n_heads {}",
                 self.d_model, self.n_heads
             ));
         }
         let d = self.head_dim();
-        if d % 2 != 0 {
+        if !d.is_multiple_of(2) {
             return bad(format!("head dim {d} must be even for RoPE"));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "n_kv_heads {} does not divide n_heads {}",
                 self.n_kv_heads, self.n_heads
@@ -264,13 +264,13 @@ impl ModelConfig {
         match self.family {
             Family::Baseline => {}
             Family::DiffV1 => {
-                if self.n_heads % 2 != 0 {
+                if !self.n_heads.is_multiple_of(2) {
                     return bad(format!(
                         "diff-v1 needs an even n_heads (two maps per differential head), got {}",
                         self.n_heads
                     ));
                 }
-                if self.n_kv_heads % 2 != 0 {
+                if !self.n_kv_heads.is_multiple_of(2) {
                     return bad(format!(
                         "diff-v1 needs an even n_kv_heads (two key maps per kv group), got {}",
                         self.n_kv_heads
@@ -286,7 +286,9 @@ impl ModelConfig {
                 }
             }
         }
-        if !(self.rope_theta > 0.0) || !(self.norm_eps > 0.0) || !(self.subln_eps > 0.0) {
+        // Written so that NaN is rejected too.
+        let positive = |x: f64| x > 0.0;
+        if !positive(self.rope_theta) || !positive(self.norm_eps) || !positive(self.subln_eps) {
             return bad("rope_theta, norm_eps and subln_eps must be positive".into());
         }
         Ok(())

@@ -2,6 +2,9 @@
 //! docs/design.md §1–4 (not from the model code), on random weights and awkward shapes; KV-cache equivalence;
 //! gradients of every parameter against central finite differences.
 
+// The reference indexes heads and positions the way the equations do.
+#![allow(clippy::needless_range_loop)]
+
 use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::model::{init_weights, param_specs, KvCache, Model};
@@ -294,7 +297,7 @@ fn kv_cache_decoding_equals_full_forward() {
         let map: HashMap<_, _> = weights.into_iter().collect();
         let model = Model::from_weights(&cfg, &map).unwrap();
         let ids = ids_for(&cfg, 11, 5);
-        let full = model_logits(&model, &[ids.clone()]).remove(0);
+        let full = model_logits(&model, std::slice::from_ref(&ids)).remove(0);
         let mut cache = KvCache::new(&cfg);
         let mut got = Vec::new();
         // A prompt of 4 tokens, then one token at a time.

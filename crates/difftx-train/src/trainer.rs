@@ -5,7 +5,7 @@
 //! - `train_config.json`  the options of the run (resume reads them back)
 //! - `metrics.jsonl`      one JSON object per logged step / validation
 //! - `checkpoint/`        the latest checkpoint: a loadable model folder plus
-//!                        `optimizer.safetensors` and `trainer_state.json`
+//!   `optimizer.safetensors` and `trainer_state.json`
 //!
 //! A checkpoint is written to `checkpoint.tmp/`, fsynced, then swapped in by two renames; at every
 //! instant either `checkpoint/` or `checkpoint.old/` is complete, and loaders accept both.
@@ -72,7 +72,8 @@ impl TrainOptions {
         if self.seq_len > self.model.max_seq_len {
             bail!("sequence length {} exceeds the model's context {}", self.seq_len, self.model.max_seq_len);
         }
-        if !(self.lr > 0.0) || !(self.grad_clip >= 0.0) {
+        // Written so that NaN is rejected too.
+        if !(self.lr > 0.0 && self.grad_clip >= 0.0) {
             bail!("learning rate must be positive and gradient clip non-negative");
         }
         if !(self.val_fraction > 0.0 && self.val_fraction < 0.5) {
@@ -346,14 +347,14 @@ fn run(
         state.elapsed_secs = elapsed_before + secs;
         let tps = (state.step - start_step) as f64 * tokens_per_step as f64 / secs.max(1e-9);
         let loss = loss_sum / accum;
-        if state.step % opts.log_every.max(1) == 0 || state.step == opts.steps {
+        if state.step.is_multiple_of(opts.log_every.max(1)) || state.step == opts.steps {
             append_metric(
                 &metrics,
                 serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "loss": loss, "lr": lr,
                     "grad_norm": norm, "tokens_per_sec": tps, "elapsed_secs": state.elapsed_secs}),
             )?;
         }
-        if state.step % opts.eval_every.max(1) == 0 || state.step == opts.steps {
+        if state.step.is_multiple_of(opts.eval_every.max(1)) || state.step == opts.steps {
             let v = evaluate(&model, &val, opts.seq_len)?;
             state.last_val_loss = Some(v);
             append_metric(&metrics, serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "val_loss": v}))?;
@@ -363,7 +364,7 @@ fn run(
         }
         bar.set_position(state.step as u64);
         bar.set_message(format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s"));
-        if state.step % opts.checkpoint_every.max(1) == 0 && state.step < opts.steps {
+        if state.step.is_multiple_of(opts.checkpoint_every.max(1)) && state.step < opts.steps {
             save_checkpoint(out_dir, cfg, &vars, &opt, tok, &state)?;
         }
     }
