@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch / Hugging Face reference for `difftx bench` (SPEC §3), printing the same JSON keys.
+"""PyTorch / Hugging Face reference for `difftx bench` (docs/design.md §4.3), printing the same JSON keys.
 
 baseline = LlamaForCausalLM, diff-v1 = DiffLlamaForCausalLM (no diff-v2 in transformers), both
 at bench-s: 6 layers, D 256, 8 heads (d 32), SwiGLU 704, vocab 256, f32, torch threads = 2.

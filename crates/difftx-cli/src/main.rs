@@ -9,6 +9,7 @@ use difftx_core::generate::{generate, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Family, Kernels, ModelConfig, WeightFormat};
 use difftx_train::data::{load_texts, TokenDataset};
+use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
 use difftx_train::trainer::{self, RunControl, TrainOptions};
 use std::io::{IsTerminal, Write};
@@ -52,7 +53,7 @@ enum Command {
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(TokenizerCommand),
-    /// Throughput benchmarks of SPEC §3 (training, decoding, long attention) as JSON.
+    /// Throughput benchmarks (training, decoding, long attention) as JSON.
     Bench(BenchArgs),
 }
 
@@ -267,7 +268,7 @@ struct InfoArgs {
     print_config: bool,
 }
 
-/// Thread setup, measured on the 2-core machines (crates/difftx-train/src/bench.rs docs): candle's
+/// Thread setup, measured on the 2-core machines (docs/design.md §7.3): candle's
 /// own spinning thread pool for element-wise ops fights rayon (gemm, the fused kernels) for the
 /// cores, making steps 2-4x slower under load; and without RAYON_NUM_THREADS every candle matmul
 /// re-reads /proc/cpuinfo. Must run before candle's first op; child processes inherit it. A value
@@ -456,28 +457,12 @@ fn cmd_eval(a: EvalArgs) -> Result<()> {
     let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let seq_len = a.seq_len.unwrap_or(model.config().max_seq_len);
-    if seq_len > model.config().max_seq_len {
-        bail!("--seq-len {seq_len} exceeds the model's context {}", model.config().max_seq_len);
-    }
     let texts = load_texts(&a.data, &a.field)?;
-    let bytes: usize = texts.iter().map(|t| t.len()).sum();
-    let mut tokens = Vec::new();
-    for t in &texts {
-        tokens.extend(tok.encode(t)?);
-    }
-    if tokens.len() < seq_len + 1 {
-        bail!("{}: the text has {} tokens, shorter than one sequence of {}", a.data.display(), tokens.len(), seq_len + 1);
-    }
-    // Evaluate the whole text as validation data: non-overlapping windows from the start.
-    let bytes_per_token = bytes as f64 / tokens.len() as f64;
-    let ds = TokenDataset { train: Vec::new(), val: tokens, doc_starts: Vec::new() };
-    let batches = ds.val_batches(a.batch_size, seq_len, a.max_batches);
-    let loss = trainer::evaluate(&model, &batches, seq_len)?;
-    let evaluated: usize = batches.iter().map(|b| b.2 * seq_len).sum();
-    let bpb = loss / std::f64::consts::LN_2 / bytes_per_token;
+    let r = evaluate_text(&model, &tok, &texts, seq_len, a.batch_size, a.max_batches)
+        .with_context(|| format!("cannot evaluate on {}", a.data.display()))?;
     let report = serde_json::json!({
-        "model": dir, "data": a.data, "weights": format!("{:?}", a.weights), "tokens_evaluated": evaluated, "loss": loss,
-        "perplexity": loss.exp(), "bits_per_byte": bpb, "bytes_per_token": bytes_per_token,
+        "model": dir, "data": a.data, "weights": format!("{:?}", a.weights), "tokens_evaluated": r.tokens_evaluated,
+        "loss": r.loss, "perplexity": r.perplexity, "bits_per_byte": r.bits_per_byte, "bytes_per_token": r.bytes_per_token,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
@@ -534,7 +519,8 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     );
     println!("{:<28}{:>14}{:>14}{:>14}", "parameters", "baseline", "diff-v1", "diff-v2");
     let counts: Vec<_> = Family::ALL.iter().map(|f| cfg.with_family(*f).param_counts()).collect();
-    let rows: [(&str, fn(&difftx_core::config::ParamCounts) -> usize); 7] = [
+    type Field = fn(&difftx_core::config::ParamCounts) -> usize;
+    let rows: [(&str, Field); 7] = [
         ("embedding", |c| c.embedding),
         ("attention projections", |c| c.attention_projections),
         ("attention extra (λ, norm)", |c| c.attention_extra),
@@ -582,7 +568,7 @@ struct BenchArgs {
     /// Skip the reference-kernel training measurement.
     #[arg(long)]
     no_reference: bool,
-    /// A smoke run on small shapes (seconds), not the SPEC shapes.
+    /// A smoke run on small shapes (seconds), not the benchmark shapes.
     #[arg(long)]
     quick: bool,
     /// Internal: run one attn-long measurement in this process and print its JSON.

@@ -1,6 +1,6 @@
 //! Model configuration: one serde struct for all three attention families.
 //!
-//! Head counts are always given in *baseline* terms (SPEC §1): `n_heads` is the baseline's head
+//! Head counts are always given in *baseline* terms (docs/design.md §2): `n_heads` is the baseline's head
 //! count `H`, `n_kv_heads` its key/value head count. Each family derives its own layout from these,
 //! so the three families built from one config are parameter-matched.
 
@@ -12,11 +12,11 @@ use std::str::FromStr;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Family {
-    /// Standard multi-head attention (SPEC §1.1).
+    /// Standard multi-head attention (docs/design.md §1.1).
     Baseline,
-    /// Differential attention of the paper (SPEC §1.2).
+    /// Differential attention of the paper (docs/design.md §1.2).
     DiffV1,
-    /// Differential attention v2: per-token sigmoid lambda, no sub-layer norm (SPEC §1.3).
+    /// Differential attention v2: per-token sigmoid lambda, no sub-layer norm (docs/design.md §1.3).
     DiffV2,
 }
 
@@ -59,7 +59,7 @@ pub enum RopeStyle {
     RotateHalf,
 }
 
-/// Which two projected heads form the two maps of differential head `j` (SPEC §1.4).
+/// Which two projected heads form the two maps of differential head `j` (docs/design.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HeadPairing {
@@ -103,7 +103,14 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
     #[serde(default = "default_pairing")]
     pub head_pairing: HeadPairing,
+    /// diff-v1 sub-layer RMSNorm over each head's 2d features (the paper's "GroupNorm"). `false` is
+    /// the paper's ablation "DIFF without GroupNorm" (Table 6): no norm and no gain parameter, the
+    /// output is still multiplied by (1 - lambda_init). Default true (configs without the field
+    /// load as before). Cannot be exported to Hugging Face (DiffLlama always normalises).
+    #[serde(default = "default_true")]
+    pub subln: bool,
     /// Learnable gain of the diff-v1 sub-layer RMSNorm (official code: true; HF DiffLlama: false).
+    /// Ignored when `subln` is false (there is no norm to carry a gain).
     #[serde(default = "default_true")]
     pub subln_affine: bool,
     /// Std of the diff-v1 lambda vectors' normal initialisation.
@@ -142,7 +149,7 @@ fn default_init_std() -> f64 {
     0.02
 }
 
-/// SwiGLU width about 8/3·D, rounded to a multiple of 64 (SPEC §2).
+/// SwiGLU width about 8/3·D, rounded to a multiple of 64 (docs/design.md §4).
 pub fn swiglu_width(d_model: usize) -> usize {
     let w = (8 * d_model) as f64 / 3.0;
     ((w / 64.0).round() as usize).max(1) * 64
@@ -169,6 +176,7 @@ impl ModelConfig {
             rope_theta: default_rope_theta(),
             rope_style: default_rope_style(),
             head_pairing: default_pairing(),
+            subln: true,
             subln_affine: true,
             lambda_std: default_lambda_std(),
             tie_embeddings: false,
@@ -178,7 +186,7 @@ impl ModelConfig {
         }
     }
 
-    /// Named presets: `tiny` (fast tests and the README demo), `bench-s` (SPEC §3), `small` (~20M).
+    /// Named presets: `tiny` (fast tests and the README demo), `bench-s` (docs/design.md §4.3), `small` (~20M).
     pub fn preset(name: &str, family: Family) -> Result<Self, ConfigError> {
         let cfg = match name {
             "tiny" => Self::base(family, 256, 128, 4, 8, 320, 128),
@@ -215,7 +223,7 @@ impl ModelConfig {
     }
 
     /// Number of key/value heads the k and v projections produce (maps of dim d).
-    /// diff-v2 takes half the baseline's kv heads (SPEC §1.3): with n_kv_heads = H that is H/2,
+    /// diff-v2 takes half the baseline's kv heads (docs/design.md §2.3): with n_kv_heads = H that is H/2,
     /// which makes its attention exactly parameter-matched to the MHA baseline (plus lambda_proj).
     pub fn n_kv_proj_heads(&self) -> usize {
         match self.family {
@@ -224,7 +232,7 @@ impl ModelConfig {
         }
     }
 
-    /// Lambda_init of layer `l` (from 0): 0.8 - 0.6·exp(-0.3·l) (SPEC §1.2).
+    /// Lambda_init of layer `l` (from 0): 0.8 - 0.6·exp(-0.3·l) (docs/design.md §1.2).
     pub fn lambda_init(layer: usize) -> f64 {
         0.8 - 0.6 * (-0.3 * layer as f64).exp()
     }
@@ -237,17 +245,17 @@ impl ModelConfig {
         if self.n_kv_heads == 0 || self.d_ff == 0 || self.max_seq_len == 0 {
             return bad("n_kv_heads, d_ff and max_seq_len must be positive".into());
         }
-        if self.head_dim.is_none() && self.d_model % self.n_heads != 0 {
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
             return bad(format!(
                 "d_model {} is not divisible by n_heads {}",
                 self.d_model, self.n_heads
             ));
         }
         let d = self.head_dim();
-        if d % 2 != 0 {
+        if !d.is_multiple_of(2) {
             return bad(format!("head dim {d} must be even for RoPE"));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "n_kv_heads {} does not divide n_heads {}",
                 self.n_kv_heads, self.n_heads
@@ -256,13 +264,13 @@ impl ModelConfig {
         match self.family {
             Family::Baseline => {}
             Family::DiffV1 => {
-                if self.n_heads % 2 != 0 {
+                if !self.n_heads.is_multiple_of(2) {
                     return bad(format!(
                         "diff-v1 needs an even n_heads (two maps per differential head), got {}",
                         self.n_heads
                     ));
                 }
-                if self.n_kv_heads % 2 != 0 {
+                if !self.n_kv_heads.is_multiple_of(2) {
                     return bad(format!(
                         "diff-v1 needs an even n_kv_heads (two key maps per kv group), got {}",
                         self.n_kv_heads
@@ -278,28 +286,43 @@ impl ModelConfig {
                 }
             }
         }
-        if !(self.rope_theta > 0.0) || !(self.norm_eps > 0.0) || !(self.subln_eps > 0.0) {
+        // Written so that NaN is rejected too.
+        let positive = |x: f64| x > 0.0;
+        if !positive(self.rope_theta) || !positive(self.norm_eps) || !positive(self.subln_eps) {
             return bad("rope_theta, norm_eps and subln_eps must be positive".into());
         }
         Ok(())
     }
 
+    /// The attention shapes of this config's family: the one place they are derived
+    /// (`param_specs`, the model loader and `param_counts` all read them).
+    pub fn attention_shapes(&self) -> AttentionShapes {
+        let d = self.head_dim();
+        let (n_q, n_kv) = (self.n_q_proj_heads(), self.n_kv_proj_heads());
+        let diff_v1 = self.family == Family::DiffV1;
+        AttentionShapes {
+            head_dim: d,
+            n_q,
+            n_kv,
+            q_out: n_q * d,
+            kv_out: n_kv * d,
+            // diff-v2 combines each pair of query heads into one output head of width d.
+            o_in: match self.family {
+                Family::DiffV2 => self.n_heads * d,
+                Family::Baseline | Family::DiffV1 => n_q * d,
+            },
+            lambda_vec: diff_v1.then_some(d),
+            subln_gain: (diff_v1 && self.subln && self.subln_affine).then_some(2 * d),
+            lambda_proj_out: (self.family == Family::DiffV2).then_some(self.n_heads),
+        }
+    }
+
     /// Parameter count by component, computed from shapes (matches the built model).
     pub fn param_counts(&self) -> ParamCounts {
         let d_model = self.d_model;
-        let d = self.head_dim();
-        let q = self.n_q_proj_heads() * d;
-        let kv = self.n_kv_proj_heads() * d;
-        let out_in = match self.family {
-            Family::DiffV2 => self.n_heads * d,
-            _ => q,
-        };
-        let proj = d_model * q + 2 * d_model * kv + out_in * d_model;
-        let extra = match self.family {
-            Family::Baseline => 0,
-            Family::DiffV1 => 4 * d + if self.subln_affine { 2 * d } else { 0 },
-            Family::DiffV2 => d_model * self.n_heads,
-        };
+        let s = self.attention_shapes();
+        let proj = s.projection_params(d_model);
+        let extra = s.extra_params(d_model);
         let mlp = 3 * d_model * self.d_ff;
         let norms = 2 * d_model;
         let per_layer = proj + extra + mlp + norms;
@@ -314,6 +337,39 @@ impl ModelConfig {
             lm_head: head,
             total: embed + head + per_layer * self.n_layers + d_model,
         }
+    }
+}
+
+/// Per-layer attention shapes of one family (docs/design.md §2). Weights are PyTorch-style
+/// `[out, in]`: `q_proj [q_out, D]`, `k_proj`/`v_proj [kv_out, D]`, `o_proj [D, o_in]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShapes {
+    /// Per-map head dim d.
+    pub head_dim: usize,
+    /// Query heads (maps of dim d) the q projection produces.
+    pub n_q: usize,
+    /// Key/value heads (maps of dim d) the k and v projections produce.
+    pub n_kv: usize,
+    pub q_out: usize,
+    pub kv_out: usize,
+    pub o_in: usize,
+    /// diff-v1: length d of each of the four lambda vectors `lambda_{q1,k1,q2,k2}`.
+    pub lambda_vec: Option<usize>,
+    /// diff-v1 with `subln` and `subln_affine`: length 2d of the sub-layer norm gain.
+    pub subln_gain: Option<usize>,
+    /// diff-v2: rows H of `lambda_proj [H, D]`.
+    pub lambda_proj_out: Option<usize>,
+}
+
+impl AttentionShapes {
+    /// Weights of the q, k, v and o projections.
+    pub fn projection_params(&self, d_model: usize) -> usize {
+        d_model * (self.q_out + 2 * self.kv_out + self.o_in)
+    }
+
+    /// Lambda vectors and sub-layer norm gain (diff-v1), lambda projection (diff-v2).
+    pub fn extra_params(&self, d_model: usize) -> usize {
+        4 * self.lambda_vec.unwrap_or(0) + self.subln_gain.unwrap_or(0) + d_model * self.lambda_proj_out.unwrap_or(0)
     }
 }
 
@@ -376,5 +432,39 @@ mod tests {
         assert!(s.contains("\"diff-v2\""));
         let back: ModelConfig = serde_json::from_str(&s).unwrap();
         assert_eq!(c, back);
+    }
+
+    #[test]
+    fn param_counts_equal_the_sum_of_param_specs() {
+        let mut configs = Vec::new();
+        for family in Family::ALL {
+            for preset in ["tiny", "bench-s"] {
+                configs.push(ModelConfig::preset(preset, family).unwrap());
+            }
+            let base = ModelConfig::preset("tiny", family).unwrap();
+            configs.push(ModelConfig { n_kv_heads: 4, ..base.clone() }); // GQA
+            configs.push(ModelConfig { tie_embeddings: true, ..base.clone() });
+            configs.push(ModelConfig { head_dim: Some(10), n_kv_heads: 2, ..base.clone() });
+            configs.push(ModelConfig { subln_affine: false, ..base.clone() });
+            configs.push(ModelConfig { subln: false, ..base.clone() }); // gain ignored without the norm
+            configs.push(ModelConfig { subln: false, subln_affine: false, n_kv_heads: 2, ..base });
+        }
+        for cfg in configs {
+            cfg.validate().unwrap();
+            let specs = crate::model::param_specs(&cfg);
+            let n: usize = specs.iter().map(|s| s.shape.iter().product::<usize>()).sum();
+            assert_eq!(n, cfg.param_counts().total, "{cfg:?}");
+            let has_gain = specs.iter().any(|s| s.name.ends_with("subln.weight"));
+            assert_eq!(has_gain, cfg.family == Family::DiffV1 && cfg.subln && cfg.subln_affine, "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn configs_without_subln_field_load_with_the_norm_on() {
+        let c = ModelConfig::preset("tiny", Family::DiffV1).unwrap();
+        let mut v = serde_json::to_value(&c).unwrap();
+        v.as_object_mut().unwrap().remove("subln");
+        let back: ModelConfig = serde_json::from_value(v).unwrap();
+        assert!(back.subln);
     }
 }

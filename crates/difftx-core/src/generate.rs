@@ -27,7 +27,8 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
-        if !(params.temperature >= 0.0) {
+        // Rejects NaN as well as negative values.
+        if params.temperature.is_nan() || params.temperature < 0.0 {
             bail!("temperature must be >= 0, got {}", params.temperature);
         }
         if let Some(p) = params.top_p {

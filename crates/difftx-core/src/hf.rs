@@ -2,7 +2,7 @@
 //! `LlamaForCausalLM` (baseline) folders (`config.json` + `model.safetensors` or a sharded
 //! `model.safetensors.index.json`).
 //!
-//! Import maps the HF config onto the engine's switches (SPEC §1.4): DiffLlama is diff-v1 with
+//! Import maps the HF config onto the engine's switches (docs/design.md §3): DiffLlama is diff-v1 with
 //! `head_pairing: Halves`, `rope_style: RotateHalf`, `subln_affine: false`; Llama is baseline with
 //! rotate-half RoPE. The weight names are the engine's own, so weights are used as they are, with
 //! one exception: a DiffLlama with an odd `num_key_value_heads` (which HF allows) has each kv head
@@ -157,6 +157,7 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
         rope_theta: theta.unwrap_or(10000.0),
         rope_style: RopeStyle::RotateHalf,
         head_pairing: HeadPairing::Halves,
+        subln: true,
         subln_affine: false,
         lambda_std: get_f64(v, "lambda_std_dev")?.unwrap_or(0.1),
         tie_embeddings: get_bool(v, "tie_word_embeddings")?.unwrap_or(false),
@@ -326,6 +327,14 @@ fn interleaved_to_rotate_half(w: &Tensor, d: usize) -> Result<Tensor> {
     Ok(w.reshape((rows / d, d / 2, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
+/// DiffLlama always applies the sub-layer norm: the `subln: false` ablation has no HF form.
+fn check_subln_exportable(cfg: &ModelConfig) -> Result<()> {
+    if cfg.family == Family::DiffV1 && !cfg.subln {
+        bail!("cannot export: this diff-v1 model has no sub-layer norm (subln: false), which DiffLlama cannot represent");
+    }
+    Ok(())
+}
+
 /// The HF `config.json` for an engine config (accepted by transformers 4.x and 5.x).
 pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
     let (arch, model_type) = match cfg.family {
@@ -333,6 +342,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
         Family::Baseline => ("LlamaForCausalLM", "llama"),
         Family::DiffV2 => bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported"),
     };
+    check_subln_exportable(cfg)?;
     let mut v = json!({
         "architectures": [arch],
         "model_type": model_type,
@@ -378,6 +388,7 @@ pub fn to_hf_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Re
         bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported");
     }
     cfg.validate()?;
+    check_subln_exportable(cfg)?;
     if cfg.family == Family::DiffV1 && cfg.subln_eps != cfg.norm_eps {
         bail!(
             "cannot export: subln_eps {} differs from norm_eps {} (DiffLlama uses rms_norm_eps for both)",
@@ -428,7 +439,8 @@ pub fn to_hf_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Re
 }
 
 /// Writes a HF folder (`config.json`, `model.safetensors`) for a diff-v1 (DiffLlama) or baseline
-/// (Llama) model. Errors for diff-v2 and for diff-v1 with `subln_eps != norm_eps`.
+/// (Llama) model. Errors for diff-v2, for diff-v1 without the sub-layer norm (`subln: false`) and
+/// for diff-v1 with `subln_eps != norm_eps`.
 pub fn export_hf(cfg: &ModelConfig, weights: &HashMap<String, Tensor>, out_dir: &Path) -> Result<()> {
     let config = hf_config_json(cfg)?;
     let tensors = to_hf_weights(cfg, weights)?;

@@ -1,11 +1,11 @@
 //! The decoder-only model: embedding, pre-norm blocks (attention + SwiGLU), final norm, LM head.
 //!
 //! One `Attention` serves all three families; they differ only in how the projected heads are
-//! grouped into maps and how the maps are combined (SPEC §1). Weights are looked up by name from a
+//! grouped into maps and how the maps are combined (docs/design.md §1). Weights are looked up by name from a
 //! flat map (`model.layers.N.self_attn.q_proj.weight`, ...), the same names Hugging Face Llama and
 //! DiffLlama use, so checkpoint code never reaches into the model.
 
-use crate::config::{Family, ModelConfig, RopeStyle};
+use crate::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use crate::ops::{self, Kernels};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use rand::SeedableRng;
@@ -29,37 +29,29 @@ pub struct ParamSpec {
 
 /// Every parameter of a model with this config, in a fixed order (the init order).
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
-    let (dm, d) = (cfg.d_model, cfg.head_dim());
+    let dm = cfg.d_model;
     let normal = Init::Normal(cfg.init_std);
     let mut specs = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, init: Init| specs.push(ParamSpec { name, shape, init });
     push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, dm], normal);
+    let shapes = cfg.attention_shapes();
     for l in 0..cfg.n_layers {
         let p = format!("model.layers.{l}");
         push(format!("{p}.input_layernorm.weight"), vec![dm], Init::Ones);
-        let q_out = cfg.n_q_proj_heads() * d;
-        let kv_out = cfg.n_kv_proj_heads() * d;
-        let o_in = match cfg.family {
-            Family::DiffV2 => cfg.n_heads * d,
-            _ => q_out,
-        };
-        push(format!("{p}.self_attn.q_proj.weight"), vec![q_out, dm], normal);
-        push(format!("{p}.self_attn.k_proj.weight"), vec![kv_out, dm], normal);
-        push(format!("{p}.self_attn.v_proj.weight"), vec![kv_out, dm], normal);
-        push(format!("{p}.self_attn.o_proj.weight"), vec![dm, o_in], normal);
-        match cfg.family {
-            Family::Baseline => {}
-            Family::DiffV1 => {
-                for n in ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"] {
-                    push(format!("{p}.self_attn.{n}"), vec![d], Init::Normal(cfg.lambda_std));
-                }
-                if cfg.subln_affine {
-                    push(format!("{p}.self_attn.subln.weight"), vec![2 * d], Init::Ones);
-                }
+        push(format!("{p}.self_attn.q_proj.weight"), vec![shapes.q_out, dm], normal);
+        push(format!("{p}.self_attn.k_proj.weight"), vec![shapes.kv_out, dm], normal);
+        push(format!("{p}.self_attn.v_proj.weight"), vec![shapes.kv_out, dm], normal);
+        push(format!("{p}.self_attn.o_proj.weight"), vec![dm, shapes.o_in], normal);
+        if let Some(n) = shapes.lambda_vec {
+            for name in ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"] {
+                push(format!("{p}.self_attn.{name}"), vec![n], Init::Normal(cfg.lambda_std));
             }
-            Family::DiffV2 => {
-                push(format!("{p}.self_attn.lambda_proj.weight"), vec![cfg.n_heads, dm], normal);
-            }
+        }
+        if let Some(n) = shapes.subln_gain {
+            push(format!("{p}.self_attn.subln.weight"), vec![n], Init::Ones);
+        }
+        if let Some(n) = shapes.lambda_proj_out {
+            push(format!("{p}.self_attn.lambda_proj.weight"), vec![n, dm], normal);
         }
         push(format!("{p}.post_attention_layernorm.weight"), vec![dm], Init::Ones);
         push(format!("{p}.mlp.gate_proj.weight"), vec![cfg.d_ff, dm], normal);
@@ -292,19 +284,85 @@ pub struct Probe {
     pub lambdas: Vec<Option<Tensor>>,
 }
 
+/// Everything one layer needs to know about the current call besides its input.
+struct Step<'a> {
+    /// Batch B and new tokens T of this call.
+    batch: usize,
+    len: usize,
+    /// Absolute position of the first new token (the number of cached tokens before it).
+    offset: usize,
+    rope: &'a Rope,
+    opts: &'a RunOptions,
+}
+
+/// One layer's projected and rotated heads, shared by the attention maths and the probe.
+/// q: [B, n_q, T, d]; k, v: [B, n_kv, S, d] with S = offset + T (the cache included).
+struct Heads {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+/// The sub-layer RMSNorm of diff-v1 over each head's 2d features (the paper's "GroupNorm").
+enum SubLayerNorm {
+    /// The "DIFF without GroupNorm" ablation (`subln: false`).
+    Off,
+    /// Norm without gain (`subln_affine: false`, Hugging Face DiffLlama).
+    Plain,
+    /// Norm with one learnable gain of size 2d shared by all heads (official code).
+    Gain(Tensor),
+}
+
+/// What a diff-v1 layer owns beyond the projections.
+struct DiffV1 {
+    /// λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, four vectors of dim d.
+    lambda_q1: Tensor,
+    lambda_k1: Tensor,
+    lambda_q2: Tensor,
+    lambda_k2: Tensor,
+    /// λ_init(l) = 0.8 − 0.6·exp(−0.3·l) of this layer.
+    lambda_init: f64,
+    subln: SubLayerNorm,
+    subln_eps: f64,
+}
+
+impl DiffV1 {
+    /// The layer's λ: one scalar shared by all heads, shape [1], differentiable.
+    fn lambda(&self) -> Result<Tensor> {
+        let dot_exp = |a: &Tensor, b: &Tensor| -> Result<Tensor> { (a * b)?.sum_keepdim(0)?.exp() };
+        (dot_exp(&self.lambda_q1, &self.lambda_k1)? - dot_exp(&self.lambda_q2, &self.lambda_k2)?)? + self.lambda_init
+    }
+
+    /// (1 − λ_init)·SubLN(o) for o: [B, H/2, T, 2d].
+    ///
+    /// Implementation detail: on the fused path the factor (1 − λ_init) is folded into the gain
+    /// of the fused RMSNorm (g·(1 − λ_init), or a constant gain when the norm has none), so norm
+    /// and scale are one kernel; the reference path applies them one after the other as written.
+    fn norm_and_scale(&self, o: &Tensor, kernels: Kernels) -> Result<Tensor> {
+        let scale = 1.0 - self.lambda_init;
+        let gain = match &self.subln {
+            SubLayerNorm::Off => return o * scale,
+            SubLayerNorm::Plain => None,
+            SubLayerNorm::Gain(g) => Some(g),
+        };
+        match kernels {
+            Kernels::Reference => ops::rms_norm(o, gain, self.subln_eps, kernels)? * scale,
+            Kernels::Fused => {
+                let folded = match gain {
+                    Some(g) => (g * scale)?,
+                    None => Tensor::full(scale, o.dim(3)?, o.device())?.to_dtype(o.dtype())?,
+                };
+                ops::rms_norm(o, Some(&folded), self.subln_eps, kernels)
+            }
+        }
+    }
+}
+
 enum AttnKind {
     Baseline,
-    DiffV1 {
-        lambda_q1: Tensor,
-        lambda_k1: Tensor,
-        lambda_q2: Tensor,
-        lambda_k2: Tensor,
-        subln: Option<Tensor>,
-        lambda_init: f64,
-    },
-    DiffV2 {
-        lambda_proj: Linear,
-    },
+    DiffV1(DiffV1),
+    /// λ_{t,j} = sigmoid(x_t · W_λ[:, j]), W_λ: [H, D].
+    DiffV2 { lambda_proj: Linear },
 }
 
 struct Attention {
@@ -313,6 +371,8 @@ struct Attention {
     v_proj: Linear,
     o_proj: Linear,
     kind: AttnKind,
+    /// Which two projected heads form the two maps of a differential head (diff-v1).
+    pairing: HeadPairing,
     n_q: usize,
     n_kv: usize,
     head_dim: usize,
@@ -321,160 +381,186 @@ struct Attention {
 impl Attention {
     fn load(w: &WeightSource, cfg: &ModelConfig, layer: usize) -> Result<Self> {
         let p = format!("model.layers.{layer}.self_attn");
-        let (dm, d) = (cfg.d_model, cfg.head_dim());
-        let (n_q, n_kv) = (cfg.n_q_proj_heads(), cfg.n_kv_proj_heads());
-        let o_in = if cfg.family == Family::DiffV2 { cfg.n_heads * d } else { n_q * d };
+        let dm = cfg.d_model;
+        let s = cfg.attention_shapes();
         let kind = match cfg.family {
             Family::Baseline => AttnKind::Baseline,
-            Family::DiffV1 => AttnKind::DiffV1 {
-                lambda_q1: w.get(&format!("{p}.lambda_q1"), &[d])?,
-                lambda_k1: w.get(&format!("{p}.lambda_k1"), &[d])?,
-                lambda_q2: w.get(&format!("{p}.lambda_q2"), &[d])?,
-                lambda_k2: w.get(&format!("{p}.lambda_k2"), &[d])?,
-                subln: if cfg.subln_affine { Some(w.get(&format!("{p}.subln.weight"), &[2 * d])?) } else { None },
-                lambda_init: ModelConfig::lambda_init(layer),
-            },
+            Family::DiffV1 => {
+                let d = s.head_dim;
+                let subln = match (cfg.subln, s.subln_gain) {
+                    (false, _) => SubLayerNorm::Off,
+                    (true, None) => SubLayerNorm::Plain,
+                    (true, Some(n)) => SubLayerNorm::Gain(w.get(&format!("{p}.subln.weight"), &[n])?),
+                };
+                AttnKind::DiffV1(DiffV1 {
+                    lambda_q1: w.get(&format!("{p}.lambda_q1"), &[d])?,
+                    lambda_k1: w.get(&format!("{p}.lambda_k1"), &[d])?,
+                    lambda_q2: w.get(&format!("{p}.lambda_q2"), &[d])?,
+                    lambda_k2: w.get(&format!("{p}.lambda_k2"), &[d])?,
+                    lambda_init: ModelConfig::lambda_init(layer),
+                    subln,
+                    subln_eps: cfg.subln_eps,
+                })
+            }
             Family::DiffV2 => {
-                AttnKind::DiffV2 { lambda_proj: Linear::new(w.get(&format!("{p}.lambda_proj.weight"), &[cfg.n_heads, dm])?) }
+                let h = s.lambda_proj_out.unwrap_or(cfg.n_heads);
+                AttnKind::DiffV2 { lambda_proj: Linear::new(w.get(&format!("{p}.lambda_proj.weight"), &[h, dm])?) }
             }
         };
         Ok(Attention {
-            q_proj: Linear::new(w.get(&format!("{p}.q_proj.weight"), &[n_q * d, dm])?),
-            k_proj: Linear::new(w.get(&format!("{p}.k_proj.weight"), &[n_kv * d, dm])?),
-            v_proj: Linear::new(w.get(&format!("{p}.v_proj.weight"), &[n_kv * d, dm])?),
-            o_proj: Linear::new(w.get(&format!("{p}.o_proj.weight"), &[dm, o_in])?),
+            q_proj: Linear::new(w.get(&format!("{p}.q_proj.weight"), &[s.q_out, dm])?),
+            k_proj: Linear::new(w.get(&format!("{p}.k_proj.weight"), &[s.kv_out, dm])?),
+            v_proj: Linear::new(w.get(&format!("{p}.v_proj.weight"), &[s.kv_out, dm])?),
+            o_proj: Linear::new(w.get(&format!("{p}.o_proj.weight"), &[dm, s.o_in])?),
             kind,
-            n_q,
-            n_kv,
-            head_dim: d,
+            pairing: cfg.head_pairing,
+            n_q: s.n_q,
+            n_kv: s.n_kv,
+            head_dim: s.head_dim,
         })
     }
 
-    /// x: [B·T, D] -> [B·T, D].
-    #[allow(clippy::too_many_arguments)]
+    /// x: [B·T, D] -> [B·T, D]. When the probe asks for attention, a separate pass records the
+    /// maps from the same projected heads before the output is computed.
     fn forward(
         &self,
         x: &Tensor,
-        (b, t): (usize, usize),
-        rope: &Rope,
+        step: &Step,
         cache: Option<&mut candle_nn::kv_cache::KvCache>,
-        offset: usize,
-        opts: &RunOptions,
         probe: Option<&mut Probe>,
-        pairing: crate::config::HeadPairing,
-        subln_eps: f64,
     ) -> Result<Tensor> {
-        let d = self.head_dim;
-        let kernels = opts.kernels;
+        let heads = self.project(x, step, cache)?;
+        if let Some(p) = probe.filter(|p| p.capture_attention) {
+            self.capture(x, &heads, step, p)?;
+        }
+        let out = self.combine(x, &heads, step)?; // [B, heads, T, width]
+        let (_, n, _, width) = out.dims4()?;
+        let out = out.transpose(1, 2)?.reshape((step.batch * step.len, n * width))?;
+        linear(&out, &self.o_proj, step.opts)
+    }
+
+    /// Q, K, V projections, RoPE at absolute positions, and the KV cache.
+    fn project(&self, x: &Tensor, step: &Step, cache: Option<&mut candle_nn::kv_cache::KvCache>) -> Result<Heads> {
+        let (b, t, d, opts) = (step.batch, step.len, self.head_dim, step.opts);
         let q = linear(x, &self.q_proj, opts)?.reshape((b, t, self.n_q, d))?;
         let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
-        // [B, heads, T, d], rotated at absolute positions.
-        let q = rope.apply(&q, offset, kernels)?.transpose(1, 2)?.contiguous()?;
-        let k = rope.apply(&k, offset, kernels)?.transpose(1, 2)?.contiguous()?;
+        // [B, T, heads, d] -> [B, heads, T, d]
+        let q = step.rope.apply(&q, step.offset, opts.kernels)?.transpose(1, 2)?.contiguous()?;
+        let k = step.rope.apply(&k, step.offset, opts.kernels)?.transpose(1, 2)?.contiguous()?;
         let v = v.transpose(1, 2)?.contiguous()?;
         let (k, v) = match cache {
             Some(c) => c.append(&k, &v)?,
             None => (k, v),
         };
-        let scale = 1.0 / (d as f64).sqrt();
-        // The single-map attention primitive, honouring the logit-quantisation probe.
-        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
-            match opts.attn_logit_bits {
-                Some(bits) => ops::attention_quantized_logits(q, k, v, scale, offset, bits),
-                None => ops::attention(q, k, v, scale, offset, kernels),
-            }
-        };
-        let probs = |q: &Tensor, k: &Tensor| -> Result<Tensor> {
-            match opts.attn_logit_bits {
-                Some(bits) => ops::quantized_probs(q, k, scale, offset, bits),
-                None => ops::attention_probs(q, k, scale, offset, kernels),
-            }
-        };
+        Ok(Heads { q, k, v })
+    }
 
-        let out = match &self.kind {
-            AttnKind::Baseline => {
-                if let Some(p) = probe.filter(|p| p.capture_attention) {
-                    p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
-                    p.attn_maps.push(probs(&q, &k)?);
-                    p.lambdas.push(None);
-                }
-                // [B, H, T, d] -> [B·T, H·d]
-                attend(&q, &k, &v)?
-            }
-            AttnKind::DiffV1 { lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln, lambda_init } => {
-                // Two query maps and two key maps per head, one value of width 2d (SPEC §1.2).
-                let (q1, q2) = split_pairs(&q, pairing)?; // [B, H/2, T, d] each
-                let (k1, k2) = split_pairs(&k, pairing)?; // [B, Hkv/2, S, d] each
-                let (v1, v2) = split_pairs(&v, pairing)?;
-                let v = Tensor::cat(&[v1, v2], 3)?; // [B, Hkv/2, S, 2d]
-                // lambda = exp(lq1·lk1) - exp(lq2·lk2) + lambda_init, one scalar per layer.
-                let dot = |a: &Tensor, c: &Tensor| -> Result<Tensor> { (a * c)?.sum_keepdim(0)?.exp() };
-                let lambda = ((dot(lambda_q1, lambda_k1)? - dot(lambda_q2, lambda_k2)?)? + *lambda_init)?;
-                if let Some(p) = probe.filter(|p| p.capture_attention) {
-                    let s1 = ops::attention_scores(&q1, &k1, scale)?;
-                    let s2 = ops::attention_scores(&q2, &k2, scale)?;
-                    p.attn_logits.push(Tensor::cat(&[s1, s2], 1)?);
-                    let a1 = probs(&q1, &k1)?;
-                    let a2 = probs(&q2, &k2)?;
-                    p.attn_maps.push(a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?);
-                    p.lambdas.push(Some(lambda.clone()));
-                }
-                let o1 = attend(&q1, &k1, &v)?;
-                let o2 = attend(&q2, &k2, &v)?;
-                if kernels == Kernels::Fused {
-                    // One pass for o1 - λ·o2; the (1 - λ_init) factor folded into the norm gain.
-                    let o = difftx_kernels::diff_combine(&o1, &o2, &lambda)?; // [B, H/2, T, 2d]
-                    let gain = match subln {
-                        Some(g) => (g * (1.0 - lambda_init))?,
-                        None => Tensor::full(1.0 - lambda_init, 2 * d, o.device())?.to_dtype(o.dtype())?,
-                    };
-                    ops::rms_norm(&o, Some(&gain), subln_eps, kernels)?
-                } else {
-                    let o = o1.broadcast_sub(&o2.broadcast_mul(&lambda)?)?; // [B, H/2, T, 2d]
-                    let o = ops::rms_norm(&o, subln.as_ref(), subln_eps, kernels)?;
-                    (o * (1.0 - lambda_init))?
-                }
+    /// The family's attention, in the paper's order. Returns [B, heads, T, width] before o_proj.
+    fn combine(&self, x: &Tensor, heads: &Heads, step: &Step) -> Result<Tensor> {
+        let Heads { q, k, v } = heads;
+        match &self.kind {
+            // O = softmax(Q Kᵀ/√d + mask) V                                   [B, H, T, d]
+            AttnKind::Baseline => self.attend(q, k, v, step),
+            AttnKind::DiffV1(diff) => {
+                let (q1, q2) = split_pairs(q, self.pairing)?; // [B, H/2, T, d] each
+                let (k1, k2) = split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
+                let v = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
+                let lambda = diff.lambda()?; // [1]
+                // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
+                let o1 = self.attend(&q1, &k1, &v, step)?;
+                let o2 = self.attend(&q2, &k2, &v, step)?;
+                let o = ops::diff_combine(&o1, &o2, &lambda, step.opts.kernels)?;
+                // (1 − λ_init)·SubLN(O)
+                diff.norm_and_scale(&o, step.opts.kernels)
             }
             AttnKind::DiffV2 { lambda_proj } => {
-                // One attention over 2H query heads; pair j = heads (2j, 2j+1) (SPEC §1.3).
-                let h = self.n_q / 2;
-                let o = attend(&q, &k, &v)?; // [B, 2H, T, d]
-                let tq = o.dim(2)?;
-                let o = o.reshape((b, h, 2, tq, d))?;
-                let (oa, ob) = (o.i((.., .., 0))?, o.i((.., .., 1))?); // [B, H, T, d]
-                // lambda_{t,j} = sigmoid(x_t · W_lambda[:, j]) -> [B, H, T, 1]
-                let lambda = candle_nn::ops::sigmoid(&linear(x, lambda_proj, opts)?)?
-                    .reshape((b, t, h))?
-                    .transpose(1, 2)?
-                    .unsqueeze(3)?;
-                if let Some(p) = probe.filter(|p| p.capture_attention) {
-                    p.attn_logits.push(ops::attention_scores(&q, &k, scale)?);
-                    let a = probs(&q, &k)?;
-                    let s = a.dim(3)?;
-                    let a = a.reshape((b, h, 2, tq, s))?;
-                    p.attn_maps.push(a.i((.., .., 0))?.broadcast_sub(&a.i((.., .., 1))?.broadcast_mul(&lambda)?)?);
-                    p.lambdas.push(Some(lambda.squeeze(3)?));
-                }
-                oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)?
+                // One attention over all 2H query heads; pair j = heads (2j, 2j+1).
+                let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
+                let (oa, ob) = split_pairs(&o, HeadPairing::Interleaved)?; // [B, H, T, d] each
+                let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
+                // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                      [B, H, T, d]
+                oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)
+            }
+        }
+    }
+
+    /// diff-v2's λ_{t,j} = sigmoid(x_t · W_λ[:, j]): [B, H, T, 1].
+    fn token_lambda(&self, x: &Tensor, lambda_proj: &Linear, step: &Step) -> Result<Tensor> {
+        let h = self.n_q / 2;
+        candle_nn::ops::sigmoid(&linear(x, lambda_proj, step.opts)?)?
+            .reshape((step.batch, step.len, h))?
+            .transpose(1, 2)?
+            .unsqueeze(3)
+    }
+
+    /// diff-v1's value of head j: the kv pair's two value heads side by side, [B, Hkv/2, S, 2d].
+    fn pair_values(&self, v: &Tensor) -> Result<Tensor> {
+        let (v1, v2) = split_pairs(v, self.pairing)?;
+        Tensor::cat(&[v1, v2], 3)
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// The single-map attention primitive softmax(q kᵀ/√d + mask) v, honouring the logit-
+    /// quantisation probe.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, step: &Step) -> Result<Tensor> {
+        match step.opts.attn_logit_bits {
+            Some(bits) => ops::attention_quantized_logits(q, k, v, self.scale(), step.offset, bits),
+            None => ops::attention(q, k, v, self.scale(), step.offset, step.opts.kernels),
+        }
+    }
+
+    /// Materialised attention maps softmax(q kᵀ/√d + mask): [B, heads, T, S].
+    fn probs(&self, q: &Tensor, k: &Tensor, step: &Step) -> Result<Tensor> {
+        match step.opts.attn_logit_bits {
+            Some(bits) => ops::quantized_probs(q, k, self.scale(), step.offset, bits),
+            None => ops::attention_probs(q, k, self.scale(), step.offset, step.opts.kernels),
+        }
+    }
+
+    /// The analysis pass: records this layer's raw logits of every map, its effective attention
+    /// maps (A1 − λ·A2 for the differential families) and its λ into the probe.
+    fn capture(&self, x: &Tensor, heads: &Heads, step: &Step, probe: &mut Probe) -> Result<()> {
+        let Heads { q, k, .. } = heads;
+        let scale = self.scale();
+        let (logits, map, lambda) = match &self.kind {
+            AttnKind::Baseline => (ops::attention_scores(q, k, scale)?, self.probs(q, k, step)?, None),
+            AttnKind::DiffV1(diff) => {
+                let (q1, q2) = split_pairs(q, self.pairing)?;
+                let (k1, k2) = split_pairs(k, self.pairing)?;
+                let lambda = diff.lambda()?;
+                let (s1, s2) = (ops::attention_scores(&q1, &k1, scale)?, ops::attention_scores(&q2, &k2, scale)?);
+                let (a1, a2) = (self.probs(&q1, &k1, step)?, self.probs(&q2, &k2, step)?);
+                let logits = Tensor::cat(&[s1, s2], 1)?; // [B, H, T, S]: all Q1 maps, then all Q2 maps
+                (logits, a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?, Some(lambda))
+            }
+            AttnKind::DiffV2 { lambda_proj } => {
+                let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
+                let (a1, a2) = split_pairs(&self.probs(q, k, step)?, HeadPairing::Interleaved)?;
+                let map = a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?;
+                (ops::attention_scores(q, k, scale)?, map, Some(lambda.squeeze(3)?))
             }
         };
-        let (_, heads, _, width) = out.dims4()?;
-        let out = out.transpose(1, 2)?.reshape((b * t, heads * width))?;
-        linear(&out, &self.o_proj, opts)
+        probe.attn_logits.push(logits);
+        probe.attn_maps.push(map);
+        probe.lambdas.push(lambda);
+        Ok(())
     }
 }
 
-/// Splits the head axis (dim 1) of [B, heads, T, d] into the two maps of each pair (SPEC §1.4).
-fn split_pairs(x: &Tensor, pairing: crate::config::HeadPairing) -> Result<(Tensor, Tensor)> {
+/// Splits the head axis (dim 1) of [B, heads, T, d] into the two maps of each pair (docs/design.md §3).
+fn split_pairs(x: &Tensor, pairing: HeadPairing) -> Result<(Tensor, Tensor)> {
     let (b, heads, t, d) = x.dims4()?;
     let half = heads / 2;
     match pairing {
-        crate::config::HeadPairing::Interleaved => {
+        HeadPairing::Interleaved => {
             let x = x.reshape((b, half, 2, t, d))?;
             Ok((x.i((.., .., 0))?, x.i((.., .., 1))?))
         }
-        crate::config::HeadPairing::Halves => Ok((x.narrow(1, 0, half)?, x.narrow(1, half, half)?)),
+        HeadPairing::Halves => Ok((x.narrow(1, 0, half)?, x.narrow(1, half, half)?)),
     }
 }
 
@@ -593,20 +679,11 @@ impl Model {
                 p.hidden.push(x.reshape((b, t, self.cfg.d_model))?);
             }
         }
+        let step = Step { batch: b, len: t, offset, rope: &self.rope, opts: &opts };
         for (l, block) in self.blocks.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[l]);
             let h = ops::rms_norm(&x, Some(&block.input_norm), self.cfg.norm_eps, kernels)?;
-            let a = block.attn.forward(
-                &h,
-                (b, t),
-                &self.rope,
-                layer_cache,
-                offset,
-                &opts,
-                probe.as_deref_mut(),
-                self.cfg.head_pairing,
-                self.cfg.subln_eps,
-            )?;
+            let a = block.attn.forward(&h, &step, layer_cache, probe.as_deref_mut())?;
             let y = (x + a)?;
             let h = ops::rms_norm(&y, Some(&block.post_norm), self.cfg.norm_eps, kernels)?;
             x = (&y + block.mlp.forward(&h, &opts)?)?;
@@ -625,7 +702,8 @@ impl Model {
         let (b, t, dm) = x.dims3()?;
         let Some(block) = self.blocks.get(layer) else { candle_core::bail!("the model has no layer {layer}") };
         let x = x.reshape((b * t, dm))?;
-        let y = block.attn.forward(&x, (b, t), &self.rope, None, 0, &self.opts, None, self.cfg.head_pairing, self.cfg.subln_eps)?;
+        let step = Step { batch: b, len: t, offset: 0, rope: &self.rope, opts: &self.opts };
+        let y = block.attn.forward(&x, &step, None, None)?;
         y.reshape((b, t, dm))
     }
 
@@ -666,10 +744,9 @@ impl Model {
         self.blocks
             .iter()
             .filter_map(|b| match &b.attn.kind {
-                AttnKind::DiffV1 { lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init, .. } => Some((|| {
-                    let dot = |a: &Tensor, c: &Tensor| -> Result<f64> { (a * c)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>() };
-                    Ok(dot(lambda_q1, lambda_k1)?.exp() - dot(lambda_q2, lambda_k2)?.exp() + lambda_init)
-                })()),
+                AttnKind::DiffV1(diff) => {
+                    Some(diff.lambda().and_then(|l| l.to_dtype(DType::F64)?.squeeze(0)?.to_scalar::<f64>()))
+                }
                 _ => None,
             })
             .collect()

@@ -45,6 +45,14 @@ pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -
     }
 }
 
+/// diff-v1's differential combination o1 − λ·o2 for a one-element λ (any shape of o1 = o2).
+pub fn diff_combine(o1: &Tensor, o2: &Tensor, lambda: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => difftx_kernels::diff_combine(o1, o2, lambda),
+        Kernels::Reference => o1.broadcast_sub(&o2.broadcast_mul(lambda)?),
+    }
+}
+
 /// Causal attention with GQA, the single-map primitive all three families are built from.
 ///
 /// q: [B, Hq, T, dk], k: [B, Hk, S, dk], v: [B, Hk, S, dv]; query head i uses kv head

@@ -74,9 +74,8 @@ fn check_reference(dir: &Path) -> f32 {
     let dl = max_abs_diff(&logits, &refs["logits"]);
     assert!(dl <= TOL, "{}: logits max |diff| {dl:e} > {TOL:e}", dir.display());
     let mut n_hidden = 0;
-    for k in 0..=cfg.n_layers {
+    for (k, got) in hidden.iter().enumerate().take(cfg.n_layers + 1) {
         let Some(want) = refs.get(&format!("hidden_states.{k}")) else { continue };
-        let got = &hidden[k];
         let dh = max_abs_diff(got, want);
         assert!(dh <= TOL, "{}: hidden_states.{k} max |diff| {dh:e}", dir.display());
         n_hidden += 1;
@@ -192,7 +191,7 @@ fn rope_theta_sources() {
 #[test]
 fn loader_errors_are_clear() {
     let dev = Device::Cpu;
-    let err = |r: anyhow::Result<(ModelConfig, HashMap<String, Tensor>)>| format!("{:#}", r.err().expect("should fail"));
+    let err = |r: anyhow::Result<(ModelConfig, HashMap<String, Tensor>)>| format!("{:#}", r.expect_err("should fail"));
 
     // Folder without config.json.
     let empty = tmp_dir("empty");
@@ -430,6 +429,12 @@ fn export_errors() {
     w.remove("model.layers.1.self_attn.subln.weight");
     let e = format!("{:#}", export_hf(&cfg, &w, &dir.join("miss")).unwrap_err());
     assert!(e.contains("model.layers.1.self_attn.subln.weight"), "{e}");
+    let mut cfg = native_config(Family::DiffV1);
+    cfg.subln = false;
+    let w = random_weights(&cfg, 1);
+    let e = format!("{:#}", export_hf(&cfg, &w, &dir.join("nosubln")).unwrap_err());
+    assert!(e.contains("subln: false") && !e.contains('\n'), "{e}");
+    assert!(!dir.join("nosubln").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

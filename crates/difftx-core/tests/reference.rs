@@ -1,6 +1,9 @@
-//! The model against a slow, independent reference: plain f64 loops written from SPEC §1–2
-//! (not from the model code), on random weights and awkward shapes; KV-cache equivalence;
+//! The model against a slow, independent reference: plain f64 loops written from the maths of
+//! docs/design.md §1–4 (not from the model code), on random weights and awkward shapes; KV-cache equivalence;
 //! gradients of every parameter against central finite differences.
+
+// The reference indexes heads and positions the way the equations do.
+#![allow(clippy::needless_range_loop)]
 
 use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
@@ -125,8 +128,14 @@ impl RefModel {
                         let o1 = Self::attend(&q[t][qa], &keys(ka, t), &value, scale);
                         let o2 = Self::attend(&q[t][qb], &keys(kb, t), &value, scale);
                         let o: Vec<f64> = o1.iter().zip(&o2).map(|(a, b)| a - lambda * b).collect();
-                        let gain = cfg.subln_affine.then(|| self.get(&format!("{p}.subln.weight")));
-                        o_t.extend(Self::rms(&o, gain, cfg.subln_eps).iter().map(|x| x * (1.0 - lambda_init)));
+                        // Sub-layer norm (unless the "without GroupNorm" ablation), then (1 - lambda_init).
+                        let o = if cfg.subln {
+                            let gain = cfg.subln_affine.then(|| self.get(&format!("{p}.subln.weight")));
+                            Self::rms(&o, gain, cfg.subln_eps)
+                        } else {
+                            o
+                        };
+                        o_t.extend(o.iter().map(|x| x * (1.0 - lambda_init)));
                     }
                 }
                 Family::DiffV2 => {
@@ -212,6 +221,16 @@ fn variants() -> Vec<(&'static str, ModelConfig)> {
         c.head_dim = Some(10);
         out.push(("gqa-interleaved-headdim10", c));
     }
+    // diff-v1 without the sub-layer norm (the paper's "DIFF without GroupNorm"), with and without GQA.
+    let mut c = small_config(Family::DiffV1);
+    c.subln = false;
+    out.push(("no-subln", c));
+    let mut c = small_config(Family::DiffV1);
+    c.subln = false;
+    c.subln_affine = false;
+    c.n_kv_heads = 2;
+    c.head_pairing = HeadPairing::Halves;
+    out.push(("no-subln-gqa-halves", c));
     out
 }
 
@@ -278,7 +297,7 @@ fn kv_cache_decoding_equals_full_forward() {
         let map: HashMap<_, _> = weights.into_iter().collect();
         let model = Model::from_weights(&cfg, &map).unwrap();
         let ids = ids_for(&cfg, 11, 5);
-        let full = model_logits(&model, &[ids.clone()]).remove(0);
+        let full = model_logits(&model, std::slice::from_ref(&ids)).remove(0);
         let mut cache = KvCache::new(&cfg);
         let mut got = Vec::new();
         // A prompt of 4 tokens, then one token at a time.
@@ -336,8 +355,10 @@ fn loss_of(cfg: &ModelConfig, vars: &[(String, Var)], ids: &Tensor, targets: &Te
 
 #[test]
 fn gradients_of_every_parameter_match_finite_differences() {
-    for family in Family::ALL {
+    let cases = Family::ALL.iter().map(|&f| (f, true)).chain([(Family::DiffV1, false)]);
+    for (family, subln) in cases {
         let mut cfg = small_config(family);
+        cfg.subln = subln;
         cfg.d_model = 16;
         cfg.n_heads = 4;
         cfg.n_kv_heads = 2;

@@ -126,7 +126,7 @@ fn bpe_train_errors() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
     let out = dir.path().join("t.json");
-    let err = train_bpe(&[corpus.clone()], 100, &out).unwrap_err().to_string();
+    let err = train_bpe(std::slice::from_ref(&corpus), 100, &out).unwrap_err().to_string();
     assert!(err.contains("256"), "{err}");
     let missing = dir.path().join("nope.txt");
     let err = train_bpe(&[missing], 300, &out).unwrap_err().to_string();

@@ -25,17 +25,12 @@ pub fn load_model_and_tokenizer(model_dir: &Path) -> Result<(Model, Tokenizer, P
     Ok((model, tok, dir))
 }
 
-/// The bundled corpus `data/shakespeare.txt` (working folder first, then the source tree).
-pub fn bundled_text_path() -> Result<PathBuf> {
-    difftx_train::data::bundled_corpus()
-}
-
 /// The evaluation text: `path` (a UTF-8 file) or the bundled corpus. Returns the text and the path
 /// it came from.
 pub fn read_eval_text(path: Option<&Path>) -> Result<(String, PathBuf)> {
     let path = match path {
         Some(p) => p.to_path_buf(),
-        None => bundled_text_path()?,
+        None => difftx_train::data::bundled_corpus()?,
     };
     if !path.is_file() {
         bail!("evaluation text {} does not exist or is not a file", path.display());
@@ -95,28 +90,8 @@ pub fn eval_windows(
 
 /// Mean next-token loss (nats) of `model` over windows of equal length, `batch` windows at a time.
 pub fn mean_loss(model: &Model, windows: &[Vec<u32>], batch: usize) -> Result<f64> {
-    if windows.is_empty() {
-        bail!("no evaluation windows");
-    }
-    let dev = model.device().clone();
-    let seq = windows[0].len() - 1;
-    let (mut total, mut count) = (0.0f64, 0usize);
-    for chunk in windows.chunks(batch.max(1)) {
-        let mut x = Vec::with_capacity(chunk.len() * seq);
-        let mut y = Vec::with_capacity(chunk.len() * seq);
-        for w in chunk {
-            x.extend_from_slice(&w[..seq]);
-            y.extend_from_slice(&w[1..]);
-        }
-        let xs = candle_core::Tensor::from_vec(x, (chunk.len(), seq), &dev)?;
-        let ys = candle_core::Tensor::from_vec(y, (chunk.len(), seq), &dev)?;
-        let loss = Model::loss(&model.forward(&xs, None)?, &ys)?
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
-        total += loss * (chunk.len() * seq) as f64;
-        count += chunk.len() * seq;
-    }
-    Ok(total / count as f64)
+    let (batches, seq_len) = difftx_train::eval::windows_to_batches(windows, batch)?;
+    difftx_train::eval::mean_loss(model, &batches, seq_len)
 }
 
 /// Writes `value` pretty-printed to `out_dir/name` (creating the folder).

@@ -1,4 +1,4 @@
-//! Activation outliers (SPEC §4): the top-1, top-2, top-3, top-10 and top-100 largest values
+//! Activation outliers (docs/design.md §8): the top-1, top-2, top-3, top-10 and top-100 largest values
 //! (the k-th largest, as in the paper's table) and the median of |attention logits| (every map
 //! `q·kᵀ/√d`, both maps for differential models; causal entries only, the masked ones are never
 //! used) and of |hidden states| (each layer's output), per layer and over all layers.

@@ -1,4 +1,4 @@
-//! Post-training quantisation probe (SPEC §4): validation loss with (i) nothing quantised, (ii) the
+//! Post-training quantisation probe (docs/design.md §8): validation loss with (i) nothing quantised, (ii) the
 //! attention logits fake-quantised by dynamic absmax (per query row) to 16/8/6/4 bits before the
 //! softmax, (iii) int8 / int4 weights (per output channel, or per group of g inputs), (iv) W8A8 and
 //! W4A4 (weights plus the input of every linear layer, per token). All quantisation is fake

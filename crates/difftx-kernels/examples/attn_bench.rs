@@ -117,7 +117,7 @@ fn main() -> Result<()> {
             ("flash_bwd".into(), 4096, 1, 1),
             ("decode".into(), 4096, 20, 1),
             ("decode".into(), 16384, 10, 1),
-            // bench-s training shape (SPEC §3): B 8, T 256
+            // bench-s training shape (docs/design.md §4.3): B 8, T 256
             ("naive_bwd".into(), 256, 5, 8),
             ("flash_bwd".into(), 256, 5, 8),
         ]

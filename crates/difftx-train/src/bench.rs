@@ -1,4 +1,4 @@
-//! Throughput benchmarks on the shapes of SPEC §3, as JSON.
+//! Throughput benchmarks on the shapes of docs/design.md §4.3, as JSON.
 //!
 //! * `train`: tokens/s of full training steps on `bench-s` (batch 8 × 256 tokens, f32): forward,
 //!   loss, backward, global-norm clipping and AdamW, the same pieces and order as the trainer.
@@ -44,7 +44,7 @@ pub enum AttnRunner {
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
     pub families: Vec<Family>,
-    /// Model preset for training and decoding (SPEC §3: `bench-s`).
+    /// Model preset for training and decoding (docs/design.md §4.3: `bench-s`).
     pub preset: String,
     pub batch_size: usize,
     pub seq_len: usize,
@@ -64,7 +64,7 @@ pub struct BenchOptions {
 }
 
 impl BenchOptions {
-    /// The full benchmark of SPEC §3 (a few minutes on 2 cores).
+    /// The full benchmark of docs/design.md §4.3 (a few minutes on 2 cores).
     pub fn full(attn_runner: AttnRunner) -> Self {
         BenchOptions {
             families: Family::ALL.to_vec(),

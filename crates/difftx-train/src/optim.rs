@@ -328,8 +328,16 @@ mod tests {
         assert!((l.lr(35) - 0.775).abs() < 1e-12);
     }
 
-    /// The update as composed tensor ops (the formula the fused pass implements).
-    fn composed_step(theta: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor, step: usize, lr: f64, decay: bool, p: AdamWParams) -> (Tensor, Tensor, Tensor) {
+    /// The update as composed tensor ops (the formula the fused pass implements), at (step,
+    /// learning rate, whether weight decay applies).
+    fn composed_step(
+        theta: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        (step, lr, decay): (usize, f64, bool),
+        p: AdamWParams,
+    ) -> (Tensor, Tensor, Tensor) {
         let bc1 = 1.0 - p.beta1.powi(step as i32);
         let bc2 = 1.0 - p.beta2.powi(step as i32);
         let m = ((m * p.beta1).unwrap() + (g * (1.0 - p.beta1)).unwrap()).unwrap();
@@ -364,8 +372,8 @@ mod tests {
                 let grads = loss.backward().unwrap();
                 let lr = 0.01 * step as f64;
                 opt.step(&grads, lr).unwrap();
-                (rw, mw, vw) = composed_step(&rw, &mw, &vw, &cw.t().unwrap(), step, lr, true, p);
-                (rb, mb, vb) = composed_step(&rb, &mb, &vb, &gb, step, lr, false, p);
+                (rw, mw, vw) = composed_step(&rw, &mw, &vw, &cw.t().unwrap(), (step, lr, true), p);
+                (rb, mb, vb) = composed_step(&rb, &mb, &vb, &gb, (step, lr, false), p);
             }
             let tol = if dt == DType::F64 { 1e-12 } else { 2e-5 };
             let err = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().max_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();

@@ -5,7 +5,7 @@
 //! - `train_config.json`  the options of the run (resume reads them back)
 //! - `metrics.jsonl`      one JSON object per logged step / validation
 //! - `checkpoint/`        the latest checkpoint: a loadable model folder plus
-//!                        `optimizer.safetensors` and `trainer_state.json`
+//!   `optimizer.safetensors` and `trainer_state.json`
 //!
 //! A checkpoint is written to `checkpoint.tmp/`, fsynced, then swapped in by two renames; at every
 //! instant either `checkpoint/` or `checkpoint.old/` is complete, and loaders accept both.
@@ -75,7 +75,8 @@ impl TrainOptions {
         if self.seq_len > self.model.max_seq_len {
             bail!("sequence length {} exceeds the model's context {}", self.seq_len, self.model.max_seq_len);
         }
-        if !(self.lr > 0.0) || !(self.grad_clip >= 0.0) {
+        // Written so that NaN is rejected too.
+        if !(self.lr > 0.0 && self.grad_clip >= 0.0) {
             bail!("learning rate must be positive and gradient clip non-negative");
         }
         if !(self.val_fraction > 0.0 && self.val_fraction < 0.5) {
@@ -121,21 +122,12 @@ fn batch_rng(seed: u64, step: usize) -> rand::rngs::StdRng {
     rand::rngs::StdRng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
-/// Mean validation loss over the dataset's deterministic validation batches.
-pub fn evaluate(model: &Model, batches: &[(Vec<u32>, Vec<u32>, usize)], seq_len: usize) -> Result<f64> {
+/// Mean validation loss; the validation split yields at least one batch by construction.
+fn evaluate(model: &Model, batches: &[crate::eval::Batch], seq_len: usize) -> Result<f64> {
     if batches.is_empty() {
         bail!("no validation batches: the validation split is shorter than one sequence");
     }
-    let dev = model.device();
-    let (mut total, mut count) = (0.0, 0usize);
-    for (x, y, rows) in batches {
-        let xs = Tensor::from_slice(x, (*rows, seq_len), dev)?;
-        let ys = Tensor::from_slice(y, (*rows, seq_len), dev)?;
-        let loss = Model::loss(&model.forward(&xs, None)?, &ys)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        total += loss * (*rows * seq_len) as f64;
-        count += rows * seq_len;
-    }
-    Ok(total / count as f64)
+    crate::eval::mean_loss(model, batches, seq_len)
 }
 
 fn append_metric(path: &Path, value: serde_json::Value) -> Result<()> {
@@ -361,14 +353,14 @@ fn run(
         state.elapsed_secs = elapsed_before + secs;
         let tps = (state.step - start_step) as f64 * tokens_per_step as f64 / secs.max(1e-9);
         let loss = loss_sum / accum;
-        if state.step % opts.log_every.max(1) == 0 || state.step == opts.steps {
+        if state.step.is_multiple_of(opts.log_every.max(1)) || state.step == opts.steps {
             append_metric(
                 &metrics,
                 serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "loss": loss, "lr": lr,
                     "grad_norm": norm, "tokens_per_sec": tps, "elapsed_secs": state.elapsed_secs}),
             )?;
         }
-        if state.step % opts.eval_every.max(1) == 0 || state.step == opts.steps {
+        if state.step.is_multiple_of(opts.eval_every.max(1)) || state.step == opts.steps {
             let v = evaluate(&model, &val, opts.seq_len)?;
             state.last_val_loss = Some(v);
             append_metric(&metrics, serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "val_loss": v}))?;
@@ -381,7 +373,7 @@ fn run(
         }
         bar.set_position(state.step as u64);
         bar.set_message(format!("loss {loss:.4} lr {lr:.2e} {tps:.0} tok/s"));
-        if state.step % opts.checkpoint_every.max(1) == 0 && state.step < opts.steps {
+        if state.step.is_multiple_of(opts.checkpoint_every.max(1)) && state.step < opts.steps {
             save_checkpoint(out_dir, cfg, &vars, &opt, tok, &state)?;
         }
     }
