@@ -8,7 +8,7 @@ use difftx_core::checkpoint;
 use difftx_core::generate::{generate, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Family, Kernels, ModelConfig, WeightFormat};
-use difftx_train::data::{load_texts, TokenDataset};
+use difftx_train::data::{WindowStart, load_texts, TokenDataset};
 use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
 use difftx_train::trainer::{self, RunControl, TrainOptions};
@@ -162,6 +162,10 @@ struct TrainArgs {
     /// Fraction of the token stream held out for validation (taken from its end).
     #[arg(long, default_value_t = 0.05)]
     val_fraction: f64,
+    /// Where training windows start: anywhere, or document-start (short documents of a
+    /// folder or JSONL file are never cut; what `compare` uses).
+    #[arg(long, default_value = "anywhere", value_parser = parse_windows)]
+    windows: WindowStart,
     /// Stop after this many seconds in this invocation (a checkpoint is written; --resume continues).
     #[arg(long)]
     time_limit: Option<f64>,
@@ -313,6 +317,14 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+fn parse_windows(s: &str) -> Result<WindowStart, String> {
+    match s {
+        "anywhere" => Ok(WindowStart::Anywhere),
+        "document-start" => Ok(WindowStart::DocumentStart),
+        _ => Err(format!("unknown window start '{s}' (expected anywhere or document-start)")),
+    }
+}
+
 fn load_tokenizer(path: Option<&Path>) -> Result<Tokenizer> {
     match path {
         Some(p) => Tokenizer::from_file(p),
@@ -368,7 +380,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             log_every: a.log_every,
             seed: a.seed,
             val_fraction: a.val_fraction,
-            windows: Default::default(),
+            windows: a.windows,
         };
         opts.validate()?;
         let texts = load_texts(&data, &a.field)?;

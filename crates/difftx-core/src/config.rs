@@ -189,12 +189,13 @@ impl ModelConfig {
     /// Named presets: `tiny` (fast tests and the README demo), `bench-s` (docs/design.md §4.3), `small` (~20M).
     pub fn preset(name: &str, family: Family) -> Result<Self, ConfigError> {
         let cfg = match name {
+            "nano" => Self::base(family, 256, 64, 4, 4, swiglu_width(64), 256),
             "tiny" => Self::base(family, 256, 128, 4, 8, 320, 128),
             "bench-s" => Self::base(family, 256, 256, 6, 8, 704, 256),
             "small" => Self::base(family, 256, 512, 6, 8, swiglu_width(512), 512),
             _ => {
                 return Err(ConfigError::Invalid(format!(
-                    "unknown preset '{name}' (expected tiny, bench-s or small)"
+                    "unknown preset '{name}' (expected nano, tiny, bench-s or small)"
                 )))
             }
         };
@@ -202,7 +203,7 @@ impl ModelConfig {
     }
 
     pub fn preset_names() -> &'static [&'static str] {
-        &["tiny", "bench-s", "small"]
+        &["nano", "tiny", "bench-s", "small"]
     }
 
     pub fn with_family(&self, family: Family) -> Self {

@@ -1,4 +1,4 @@
-//! Attention allocation (SPEC §4) and attention sinks, from the model's effective attention map
+//! Attention allocation (docs/design.md §8) and attention sinks, from the model's effective attention map
 //! (`Probe::attn_maps`, [B, heads, T, S]; for diff models A1 − λ·A2, which is SIGNED and whose rows
 //! sum to about 1 − λ rather than 1).
 //!

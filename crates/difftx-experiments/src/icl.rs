@@ -1,4 +1,4 @@
-//! In-context order robustness (SPEC §4): k-shot classification where the same demonstrations
+//! In-context order robustness (docs/design.md §8): k-shot classification where the same demonstrations
 //! are shown in many random orders. Each label is scored by its total log-probability after the
 //! prompt (prediction = best label of the task's label set). Reports mean accuracy and the
 //! best-minus-worst accuracy margin over orders.

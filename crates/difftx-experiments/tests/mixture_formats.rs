@@ -5,15 +5,17 @@ fn corpus() -> String {
     read_corpus(None).unwrap()[..200_000].to_string()
 }
 
-/// Words of the form k:v (a pair of the default format: one letter, one digit).
-fn pairs_in(text: &str) -> Vec<(String, String)> {
-    text.split([' ', '\n'])
-        .filter_map(|w| {
-            let (k, v) = w.split_once(':')?;
-            let ok = k.len() == 1 && k.bytes().all(|c| c.is_ascii_lowercase()) && v.len() == 1 && v.bytes().all(|c| c.is_ascii_digit());
-            ok.then(|| (k.to_string(), v.to_string()))
-        })
-        .collect()
+/// Is `w` a pair `kv` of `fmt`: key letters directly followed by value digits?
+fn is_pair(w: &str, fmt: &PairFormat) -> bool {
+    let b = w.as_bytes();
+    b.len() == fmt.pair_chars()
+        && b[..fmt.key_len].iter().all(|c| c.is_ascii_lowercase())
+        && b[fmt.key_len..].iter().all(|c| c.is_ascii_digit())
+}
+
+/// Pairs of the default format (one letter, one digit) among the words of `text`.
+fn pairs_in(text: &str) -> Vec<&str> {
+    text.split([' ', '\n']).filter(|w| is_pair(w, &PairFormat::default())).collect()
 }
 
 #[test]
@@ -73,7 +75,7 @@ fn recall_documents_query_every_pair_once() {
         let text = doc.text();
         let (ctx, queries) = text.split_once('\n').unwrap();
         assert_eq!(doc.queries.len(), n);
-        let ctx_pairs: Vec<&str> = ctx.split(' ').filter(|w| w.contains(':')).collect();
+        let ctx_pairs: Vec<&str> = ctx.split(' ').filter(|w| is_pair(w, &fmt)).collect();
         assert_eq!(ctx_pairs.len(), n, "{text}");
         let mut asked: Vec<&str> = queries.split(' ').collect();
         let mut given = ctx_pairs.clone();
@@ -82,7 +84,7 @@ fn recall_documents_query_every_pair_once() {
         assert_eq!(asked, given, "{text}");
         for (p, v) in &doc.queries {
             assert_eq!(v.len(), fmt.value_digits);
-            assert!(p.trim_start().len() == fmt.key_len + 1 && p.ends_with(':'));
+            assert_eq!(p.trim_start().len(), fmt.key_len);
         }
         if filler.1 == 0 {
             assert_eq!(ctx.split(' ').count(), n);

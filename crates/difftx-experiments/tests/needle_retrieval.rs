@@ -13,12 +13,12 @@ fn tiny_model(dir: &Path, family: Family) {
     Tokenizer::bytes().save_to_model_dir(dir).unwrap();
 }
 
-/// Words k:v of the default format (one letter, one digit).
+/// Words kv of the default format (one letter, one digit).
 fn needles_in(text: &str) -> Vec<&str> {
     text.split([' ', '\n'])
         .filter(|w| {
             let b = w.as_bytes();
-            b.len() == 3 && b[0].is_ascii_lowercase() && b[1] == b':' && b[2].is_ascii_digit()
+            b.len() == 2 && b[0].is_ascii_lowercase() && b[1].is_ascii_digit()
         })
         .collect()
 }
@@ -39,10 +39,10 @@ fn prompts_hold_the_needles_at_their_depth_and_fit() {
                 let q = text.rfind('\n').unwrap();
                 let (ctx, question) = (&text[..q], &text[q + 1..]);
                 assert_eq!(needles_in(ctx).len(), n, "{text}");
-                let key = question.strip_suffix(':').unwrap();
-                assert!(needles_in(ctx).contains(&format!("{key}:{answer}").as_str()));
+                let key = question;
+                assert!(needles_in(ctx).contains(&format!("{key}{answer}").as_str()));
                 let rel = span.start as f64 / q as f64;
-                assert!((rel - depth).abs() < 0.15 + (r as f64 * 4.0) / q as f64, "depth {depth} but needle at {rel}");
+                assert!((rel - depth).abs() < 0.15 + (r as f64 * 3.0) / q as f64, "depth {depth} but needle at {rel}");
             }
         }
     }
@@ -93,11 +93,11 @@ fn bad_options_give_clear_errors() {
 fn oracle(tok: &Tokenizer, ids: &[u32], k: usize, only_early: bool) -> anyhow::Result<Vec<u32>> {
     let text = tok.decode(ids)?;
     let q = text.rfind('\n').unwrap();
-    let key = text[q + 1..].strip_suffix(':').unwrap();
+    let key = &text[q + 1..];
     let ctx = &text[..q];
-    let at = ctx.split(' ').position(|w| w.starts_with(&format!("{key}:"))).unwrap();
-    let word = ctx.split(' ').nth(at).unwrap();
-    let value = &word[key.len() + 1..];
+    let is_needle = |w: &str| w.len() == key.len() + 1 && w.starts_with(key) && w.as_bytes()[key.len()].is_ascii_digit();
+    let word = ctx.split(' ').find(|w| is_needle(w)).unwrap();
+    let value = &word[key.len()..];
     let pos = ctx.find(word).unwrap();
     let early = (pos as f64) < q as f64 / 2.0;
     let wrong = if value == "0" { "1" } else { "0" };

@@ -3,26 +3,25 @@ use difftx_core::{Family, ModelConfig};
 use difftx_experiments::mixture::PairFormat;
 use difftx_experiments::recall::*;
 
-/// A perfect associative memory for one-letter keys: inside a value (after `k:` and any digits
-/// already read), predicts the next character of the value that followed `k:` earliest in the
-/// text; a space elsewhere.
+/// A perfect associative memory for one-letter keys: inside a value (after a key and any
+/// digits already read), predicts the next character of the value that followed that key's
+/// earliest pair in the text; a space elsewhere.
 fn oracle(tok: &Tokenizer, ids: &[u32]) -> anyhow::Result<Vec<u32>> {
     let text = tok.decode(ids)?;
     let b = text.as_bytes();
+    let starts_pair = |m: usize| m == 0 || b[m - 1] == b' ' || b[m - 1] == b'\n';
     let mut out = Vec::with_capacity(ids.len());
     for i in 0..b.len() {
         let mut pred = b' ';
-        // the colon this position continues from
+        // the key this position continues from
         let mut j = i;
         while j > 0 && b[j].is_ascii_digit() {
             j -= 1;
         }
-        if b[j] == b':' && j >= 1 {
-            let key = b[j - 1];
-            if let Some(m) = (1..j).find(|&m| b[m] == b':' && b[m - 1] == key) {
-                if let Some(&c) = b.get(m + 1 + (i - j)) {
-                    pred = c;
-                }
+        if b[j].is_ascii_lowercase() && starts_pair(j) {
+            let first = (0..j).find(|&m| b[m] == b[j] && starts_pair(m) && b.get(m + 1).is_some_and(|c| c.is_ascii_digit()));
+            if let Some(&c) = first.and_then(|m| b.get(m + 1 + (i - j))) {
+                pred = c;
             }
         }
         out.push(pred as u32);
@@ -54,7 +53,7 @@ fn two_digit_values_need_both_digits() {
         let mut p = oracle(&tok, ids)?;
         let text = tok.decode(ids)?;
         for (i, c) in text.bytes().enumerate() {
-            if c.is_ascii_digit() && i >= 1 && text.as_bytes()[i - 1] == b':' {
+            if c.is_ascii_digit() && i >= 1 && text.as_bytes()[i - 1].is_ascii_lowercase() {
                 p[i] = b'x' as u32; // the prediction after the first digit
             }
         }

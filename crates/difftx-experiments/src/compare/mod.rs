@@ -296,7 +296,13 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
     };
     let documents = if quick { 200 } else { (steps_for_docs.min(100_000) * batch_size).clamp(2000, 100_000) };
     let runs = arms.len() * seeds * widths.len();
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // The cores difftx may use: RAYON_NUM_THREADS (the CLI sets it to all cores unless the user
+    // chose), else all cores.
+    let cores = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let jobs = if opts.jobs == 0 { cores.min(runs) } else { opts.jobs.min(runs) }.max(1);
     let threads_per_job = (cores / jobs).max(1);
     if let Budget::Seconds(t) = budget {
