@@ -1,9 +1,9 @@
 //! Hugging Face interop: logits/hidden-state/loss parity with outputs recorded from transformers,
 //! loader error messages, and export -> re-import round trips.
 //!
-//! Reference folders: `tests/fixtures/hf/*` (in the repo, made by `scripts/make_hf_fixtures.py`)
-//! and `../shared/reference/hf/*` beside the clone (skipped loudly when absent). Each holds a HF
-//! model folder plus `reference_outputs.safetensors` (`input_ids` i64 [B, T], `logits` f32
+//! Reference folders: `tests/fixtures/hf/*` (made by `scripts/make_hf_fixtures.py`, plus
+//! `tiny_diffllama` and `tiny_llama`, the project's two original reference checkpoints with
+//! transformers' outputs). Each holds a HF model folder plus `reference_outputs.safetensors` (`input_ids` i64 [B, T], `logits` f32
 //! [B, T, V], optional `hidden_states.K` and `loss`).
 
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -22,10 +22,6 @@ fn manifest() -> PathBuf {
 
 fn fixtures_dir() -> PathBuf {
     manifest().join("../../tests/fixtures/hf")
-}
-
-fn shared_dir() -> PathBuf {
-    manifest().join("../../../shared/reference/hf")
 }
 
 fn tmp_dir(name: &str) -> PathBuf {
@@ -103,24 +99,10 @@ fn reference_folders(root: &Path) -> Vec<PathBuf> {
 }
 
 #[test]
-fn shared_reference_parity() {
-    let root = shared_dir();
-    if !root.is_dir() {
-        eprintln!("!!!!! SKIPPED: shared HF references not found at {} !!!!!", root.display());
-        return;
-    }
-    let dirs = reference_folders(&root);
-    assert!(dirs.len() >= 2, "expected tiny_diffllama and tiny_llama under {}", root.display());
-    for d in dirs {
-        check_reference(&d);
-    }
-}
-
-#[test]
 fn fixture_parity() {
     let dirs = reference_folders(&fixtures_dir());
     let names: Vec<String> = dirs.iter().map(|d| d.file_name().unwrap().to_string_lossy().into_owned()).collect();
-    for want in ["diffllama_gqa_kv1", "diffllama_gqa_kv3", "diffllama_gqa_kv2", "diffllama_tied", "diffllama_bf16", "llama_gqa", "llama_sharded"] {
+    for want in ["tiny_diffllama", "tiny_llama", "diffllama_gqa_kv1", "diffllama_gqa_kv3", "diffllama_gqa_kv2", "diffllama_tied", "diffllama_bf16", "llama_gqa", "llama_sharded"] {
         assert!(names.iter().any(|n| n == want), "fixture {want} missing (have {names:?})");
     }
     for d in dirs {

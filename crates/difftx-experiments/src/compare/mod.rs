@@ -137,9 +137,10 @@ pub struct CompareOptions {
     pub progress: bool,
 }
 
-/// Default steps per model: 1,200 steps × 8 × 256 = 2.5M tokens per model with the tiny preset,
-/// the budget at which the calibrated tasks sit between floor and ceiling (docs/compare/).
-pub const DEFAULT_STEPS: usize = 1200;
+/// Default steps per model: 900 steps × 8 × 256 = 1.8M tokens per model with the tiny preset,
+/// sized so the default compare (9 models side by side, two at a time, then every instrument)
+/// stays under 30 minutes on 2 cores (docs/compare/README.md).
+pub const DEFAULT_STEPS: usize = 900;
 
 impl Default for CompareOptions {
     fn default() -> Self {
@@ -460,7 +461,7 @@ fn analyse(dir: &Path, s: &Settings) -> Result<Vec<(String, serde_json::Value)>>
 /// Trains (or reuses) and analyses one planned run.
 fn execute(p: &Plan, s: &Settings, tok: &Tokenizer, ds: &TokenDataset, bar: &indicatif::ProgressBar) -> Result<RunResult> {
     if check_reusable(p)? {
-        bar.println(format!("compare: reusing the finished run in {}", p.dir.display()));
+        say(bar, format!("compare: reusing the finished run in {}", p.dir.display()));
         bar.inc(p.topts.steps.min(1_000_000) as u64);
     } else {
         let ctl = RunControl { time_limit_secs: p.time_limit, overall: Some(bar.clone()), ..Default::default() };
@@ -493,6 +494,15 @@ fn execute(p: &Plan, s: &Settings, tok: &Tokenizer, ds: &TokenDataset, bar: &ind
         train_curve,
         val_curve,
     })
+}
+
+/// A line above the progress bar, or on stderr when there is no bar (not a terminal).
+fn say(bar: &indicatif::ProgressBar, line: String) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
 }
 
 /// Progress units of a run's analysis: an estimate in training steps (the instruments take
@@ -540,7 +550,7 @@ fn execute_all(
                     match pool.install(|| execute(p, s, tok, ds, bar)) {
                         Ok(r) => {
                             let fin = r.results["train"]["final_val_loss"].as_f64().unwrap_or(f64::NAN);
-                            bar.println(format!("compare: finished {} (validation loss {fin:.4})", p.dir.display()));
+                            say(bar, format!("compare: finished {} (validation loss {fin:.4})", p.dir.display()));
                             results.lock().unwrap()[i] = Some(r);
                         }
                         Err(e) => {
