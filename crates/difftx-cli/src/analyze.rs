@@ -4,8 +4,8 @@
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use difftx_experiments::compare::{self, Arm, Budget, CompareOptions};
-use difftx_experiments::{attention, icl, needle, outliers, quantize, recall, seed_demo};
 use difftx_experiments::mixture::{MixtureSpec, PairFormat};
+use difftx_experiments::{attention, icl, needle, outliers, quantize, recall, seed_demo};
 use std::path::PathBuf;
 
 /// "LO-HI" or "N" as an inclusive range.
@@ -227,7 +227,13 @@ pub fn cmd_analyze(what: Instrument) -> Result<()> {
             (attention::run_attention(&a.m.model, &opts, &a.m.out)?, a.m.out)
         }
         Instrument::Icl(a) => {
-            let opts = icl::IclOptions { shots: a.shots, orders: a.orders, seed: a.m.seed, data: a.data, ..Default::default() };
+            let opts = icl::IclOptions {
+                shots: a.shots,
+                orders: a.orders,
+                seed: a.m.seed,
+                data: a.data,
+                ..Default::default()
+            };
             (icl::run_icl(&a.m.model, &opts, &a.m.out)?, a.m.out)
         }
     };

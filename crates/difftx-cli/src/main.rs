@@ -8,7 +8,7 @@ use difftx_core::checkpoint;
 use difftx_core::generate::{generate, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Family, Kernels, ModelConfig, WeightFormat};
-use difftx_train::data::{WindowStart, load_texts, TokenDataset};
+use difftx_train::data::{load_texts, TokenDataset, WindowStart};
 use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
 use difftx_train::trainer::{self, RunControl, TrainOptions};
@@ -21,7 +21,11 @@ mod analyze;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
-#[command(name = "difftx", version, about = "Train, run and inspect Differential Transformers (baseline, diff-v1, diff-v2) on the CPU.")]
+#[command(
+    name = "difftx",
+    version,
+    about = "Train, run and inspect Differential Transformers (baseline, diff-v1, diff-v2) on the CPU."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -90,9 +94,10 @@ impl ModelSource {
     fn resolve(&self) -> Result<ModelConfig> {
         let cfg = match &self.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
-                let cfg: ModelConfig =
-                    serde_json::from_str(&text).with_context(|| format!("{} is not a valid model config", path.display()))?;
+                let text =
+                    std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+                let cfg: ModelConfig = serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not a valid model config", path.display()))?;
                 cfg.with_family(self.family)
             }
             None => ModelConfig::preset(&self.preset, self.family)?,
@@ -345,7 +350,13 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         let tok = load_tokenizer(opts.tokenizer.as_deref())?;
         let texts = load_texts(&opts.data, &opts.jsonl_field)?;
         let ds = TokenDataset::build(&texts, &tok, opts.seq_len, opts.val_fraction)?;
-        eprintln!("resuming {} ({} {}, {} steps)", a.out.display(), opts.model.family, param_summary(&opts.model), opts.steps);
+        eprintln!(
+            "resuming {} ({} {}, {} steps)",
+            a.out.display(),
+            opts.model.family,
+            param_summary(&opts.model),
+            opts.steps
+        );
         let s = trainer::train_resume(&a.out, &tok, &ds, &ctl)?;
         (opts, s)
     } else {
@@ -418,7 +429,13 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         let model = checkpoint::load_runnable(&a.out, &Device::Cpu)?;
         let tok = Tokenizer::from_model_dir(&checkpoint::resolve_model_dir(&a.out)?)?;
         println!("--- sample (temperature 0.8) ---");
-        stream_generate(&model, &tok, "ROMEO:", a.sample_tokens, SamplingParams { temperature: 0.8, seed: 0, ..Default::default() })?;
+        stream_generate(
+            &model,
+            &tok,
+            "ROMEO:",
+            a.sample_tokens,
+            SamplingParams { temperature: 0.8, seed: 0, ..Default::default() },
+        )?;
         println!();
     }
     Ok(())
@@ -428,7 +445,13 @@ fn param_summary(cfg: &ModelConfig) -> String {
     format!("{:.2}M params", cfg.param_counts().total as f64 / 1e6)
 }
 
-fn stream_generate(model: &difftx_core::Model, tok: &Tokenizer, prompt: &str, n: usize, params: SamplingParams) -> Result<()> {
+fn stream_generate(
+    model: &difftx_core::Model,
+    tok: &Tokenizer,
+    prompt: &str,
+    n: usize,
+    params: SamplingParams,
+) -> Result<()> {
     let ids = tok.encode(prompt)?;
     let mut sampler = Sampler::new(params)?;
     let mut out = std::io::stdout().lock();
@@ -483,9 +506,8 @@ fn cmd_eval(a: EvalArgs) -> Result<()> {
 fn cmd_logits(a: LogitsArgs) -> Result<()> {
     let model = checkpoint::load_runnable(&a.model, &Device::Cpu)?;
     let inputs = checkpoint::read_safetensors(&a.ids, &Device::Cpu)?;
-    let ids = inputs
-        .get("input_ids")
-        .with_context(|| format!("{} has no tensor named 'input_ids'", a.ids.display()))?;
+    let ids =
+        inputs.get("input_ids").with_context(|| format!("{} has no tensor named 'input_ids'", a.ids.display()))?;
     if ids.rank() != 2 {
         bail!("{}: input_ids must have shape [B, T], got {:?}", a.ids.display(), ids.dims());
     }
@@ -527,7 +549,14 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     let cfg = a.model.resolve()?;
     println!(
         "D {}  layers {}  baseline heads {} (kv {})  head dim {}  SwiGLU {}  vocab {}  context {}",
-        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim(), cfg.d_ff, cfg.vocab_size, cfg.max_seq_len
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim(),
+        cfg.d_ff,
+        cfg.vocab_size,
+        cfg.max_seq_len
     );
     println!("{:<28}{:>14}{:>14}{:>14}", "parameters", "baseline", "diff-v1", "diff-v2");
     let counts: Vec<_> = Family::ALL.iter().map(|f| cfg.with_family(*f).param_counts()).collect();
@@ -549,7 +578,9 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
         match f {
             Family::Baseline => format!("{} heads x d {}", c.n_heads, c.head_dim()),
             Family::DiffV1 => format!("{} diff heads (2 maps of d {}, value 2d)", c.n_heads / 2, c.head_dim()),
-            Family::DiffV2 => format!("{} query heads, {} kv heads, d {}", c.n_q_proj_heads(), c.n_kv_proj_heads(), c.head_dim()),
+            Family::DiffV2 => {
+                format!("{} query heads, {} kv heads, d {}", c.n_q_proj_heads(), c.n_kv_proj_heads(), c.head_dim())
+            }
         }
     };
     for f in Family::ALL {

@@ -58,9 +58,31 @@ fn micro_config(dir: &Path, family: &str) -> PathBuf {
 
 fn train_args<'a>(cfg: &'a str, data: &'a str, out: &'a str, family: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--config", cfg, "--family", family, "--data", data, "--out", out, "--steps", "12", "--batch-size", "4",
-        "--eval-every", "4", "--eval-batches", "2", "--checkpoint-every", "3", "--log-every", "1", "--warmup", "2",
-        "--sample-tokens", "0",
+        "train",
+        "--config",
+        cfg,
+        "--family",
+        family,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "2",
+        "--checkpoint-every",
+        "3",
+        "--log-every",
+        "1",
+        "--warmup",
+        "2",
+        "--sample-tokens",
+        "0",
     ]
 }
 
@@ -86,13 +108,40 @@ fn train_generate_eval_logits_for_every_family() {
         assert!(stdout.contains("finished after 12/12 steps"), "{stdout}");
         assert!(out.join("checkpoint/model.safetensors").is_file());
         assert!(out.join("checkpoint/optimizer.safetensors").is_file());
-        let text = ok(&["generate", "--model", out.to_str().unwrap(), "--prompt", "To be", "--max-new-tokens", "20", "--seed", "3"]);
+        let text = ok(&[
+            "generate",
+            "--model",
+            out.to_str().unwrap(),
+            "--prompt",
+            "To be",
+            "--max-new-tokens",
+            "20",
+            "--seed",
+            "3",
+        ]);
         assert!(text.starts_with("To be"), "{text}");
-        let greedy = ["generate", "--model", out.to_str().unwrap(), "--prompt", "To be", "--max-new-tokens", "15", "--temperature", "0"];
+        let greedy = [
+            "generate",
+            "--model",
+            out.to_str().unwrap(),
+            "--prompt",
+            "To be",
+            "--max-new-tokens",
+            "15",
+            "--temperature",
+            "0",
+        ];
         assert_eq!(ok(&greedy), ok(&greedy), "greedy generation is not deterministic");
-        let report: serde_json::Value =
-            serde_json::from_str(&ok(&["eval", "--model", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--max-batches", "2"]))
-                .unwrap();
+        let report: serde_json::Value = serde_json::from_str(&ok(&[
+            "eval",
+            "--model",
+            out.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--max-batches",
+            "2",
+        ]))
+        .unwrap();
         let loss = report["loss"].as_f64().unwrap();
         assert!(loss > 0.5 && loss < 6.0, "{report}");
         assert!((report["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6 * loss.exp());
@@ -114,14 +163,24 @@ fn logits_command_writes_b_t_v() {
     let ids_path = tmp.path().join("ids.safetensors");
     candle_core::safetensors::save(&[("input_ids".to_string(), ids)].into_iter().collect(), &ids_path).unwrap();
     let logits_path = tmp.path().join("logits.safetensors");
-    ok(&["logits", "--model", out.to_str().unwrap(), "--ids", ids_path.to_str().unwrap(), "--out", logits_path.to_str().unwrap()]);
+    ok(&[
+        "logits",
+        "--model",
+        out.to_str().unwrap(),
+        "--ids",
+        ids_path.to_str().unwrap(),
+        "--out",
+        logits_path.to_str().unwrap(),
+    ]);
     let got = candle_core::safetensors::load(&logits_path, &Device::Cpu).unwrap();
     let logits = &got["logits"];
     assert_eq!(logits.dims(), &[2, 5, 256]);
     assert_eq!(logits.dtype(), DType::F32);
     // The same ids through the library give the same logits.
     let model = difftx_core::checkpoint::load_runnable(&out, &Device::Cpu).unwrap();
-    let want = model.forward(&Tensor::new(&[[72u32, 101, 108, 108, 111], [1, 2, 3, 4, 5]], &Device::Cpu).unwrap(), None).unwrap();
+    let want = model
+        .forward(&Tensor::new(&[[72u32, 101, 108, 108, 111], [1, 2, 3, 4, 5]], &Device::Cpu).unwrap(), None)
+        .unwrap();
     let diff = (logits - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     assert!(diff < 1e-6, "{diff}");
     // Bad ids files.
@@ -131,14 +190,20 @@ fn logits_command_writes_b_t_v() {
         &wrong,
     )
     .unwrap();
-    fails_with(&["logits", "--model", out.to_str().unwrap(), "--ids", wrong.to_str().unwrap(), "--out", "x"], "input_ids");
+    fails_with(
+        &["logits", "--model", out.to_str().unwrap(), "--ids", wrong.to_str().unwrap(), "--out", "x"],
+        "input_ids",
+    );
     let big = tmp.path().join("big.safetensors");
     candle_core::safetensors::save(
         &[("input_ids".to_string(), Tensor::new(&[[1i64, 999]], &Device::Cpu).unwrap())].into_iter().collect(),
         &big,
     )
     .unwrap();
-    fails_with(&["logits", "--model", out.to_str().unwrap(), "--ids", big.to_str().unwrap(), "--out", "x"], "outside the model's vocabulary");
+    fails_with(
+        &["logits", "--model", out.to_str().unwrap(), "--ids", big.to_str().unwrap(), "--out", "x"],
+        "outside the model's vocabulary",
+    );
 }
 
 #[test]
@@ -191,7 +256,9 @@ fn sigkill_never_leaves_an_unloadable_checkpoint() {
             killed += 1;
         }
         child.wait().unwrap();
-        if out.join("train_config.json").exists() && (out.join("checkpoint").exists() || out.join("checkpoint.old").exists()) {
+        if out.join("train_config.json").exists()
+            && (out.join("checkpoint").exists() || out.join("checkpoint.old").exists())
+        {
             let m = difftx_core::checkpoint::load_runnable(&out, &candle_core::Device::Cpu);
             assert!(m.is_ok(), "after kill {i}: checkpoint unloadable: {:?}", m.err());
         }
@@ -252,13 +319,17 @@ fn bad_inputs_give_clear_errors() {
     fails_with(&a, "already holds a training run");
     // Prompt longer than the context (32 tokens).
     let long = "x".repeat(40);
-    fails_with(&["generate", "--model", run_dir.to_str().unwrap(), "--prompt", &long], "longer than the model's context");
+    fails_with(
+        &["generate", "--model", run_dir.to_str().unwrap(), "--prompt", &long],
+        "longer than the model's context",
+    );
     // Model folder that does not exist / holds no model.
     fails_with(&["generate", "--model", "/nonexistent/model", "--prompt", "a"], "does not exist");
     fails_with(&["generate", "--model", t.to_str().unwrap(), "--prompt", "a"], "holds no model");
     // A checkpoint of another family: diff-v1 weights under a baseline config.
     let ck = run_dir.join("checkpoint");
-    let mut file: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    let mut file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
     file["model"]["family"] = "baseline".into();
     let other = t.join("other");
     std::fs::create_dir_all(&other).unwrap();
@@ -303,13 +374,32 @@ fn tiny_preset_learns_the_bundled_corpus_for_every_family() {
     for family in ["baseline", "diff-v1", "diff-v2"] {
         let out = tmp.path().join(family);
         let stdout = ok(&[
-            "train", "--preset", "tiny", "--family", family, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
-            "--steps", "80", "--warmup", "10", "--eval-every", "40", "--checkpoint-every", "1000", "--sample-tokens", "0",
+            "train",
+            "--preset",
+            "tiny",
+            "--family",
+            family,
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "80",
+            "--warmup",
+            "10",
+            "--eval-every",
+            "40",
+            "--checkpoint-every",
+            "1000",
+            "--sample-tokens",
+            "0",
         ]);
         let v: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
             .unwrap()
             .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap().get("val_loss").and_then(|x| x.as_f64()))
+            .filter_map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap().get("val_loss").and_then(|x| x.as_f64())
+            })
             .collect();
         let (first, last) = (v[0], *v.last().unwrap());
         eprintln!("{family}: validation loss {first:.3} -> {last:.3}");
@@ -344,13 +434,24 @@ fn compare_quick_writes_a_report_and_analyze_commands_run() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cmp");
     let stdout = ok(&["compare", "--quick", "--out", out.to_str().unwrap()]);
-    assert!(stdout.contains("compare report"), "{stdout}");
-    for f in ["report.md", "report.json", "loss_curves.png", "needle_heatmaps.png", "attention_bars.png", "icl_spread.png"] {
+    assert!(stdout.contains("## Overview") && stdout.contains("| claim |"), "{stdout}");
+    for f in [
+        "report.md",
+        "report.json",
+        "loss_curves.png",
+        "needle_heatmaps.png",
+        "recall.png",
+        "attention_bars.png",
+        "icl_spread.png",
+    ] {
         assert!(out.join(f).is_file(), "missing {f}");
     }
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     let text = report.to_string();
-    for claim in ["outlier_logits", "quant_w4a4", "needle_all", "icl_margin", "attn_answer"] {
+    for claim in
+        ["outlier_logits", "quant_w4a4", "needle_all", "recall_all", "icl_margin", "attn_answer_alloc", "sink_first"]
+    {
         assert!(text.contains(claim), "report lacks claim {claim}");
     }
     // Each instrument on one of the trained models, through the CLI.
@@ -360,6 +461,7 @@ fn compare_quick_writes_a_report_and_analyze_commands_run() {
         ("outliers", vec!["--max-tokens", "256"]),
         ("quantize", vec!["--max-tokens", "256"]),
         ("needle", vec!["--trials", "1"]),
+        ("recall", vec!["--documents", "2"]),
         ("attention", vec!["--trials", "1"]),
         ("icl", vec!["--orders", "2"]),
     ] {

@@ -173,8 +173,10 @@ mod tests {
                 assert_eq!(diff, 0.0, "{family} {name}");
             }
             // No temporary files are left behind.
-            let names: Vec<String> =
-                std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            let names: Vec<String> = std::fs::read_dir(&path)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
             assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
         }
     }

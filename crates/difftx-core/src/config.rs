@@ -247,20 +247,14 @@ impl ModelConfig {
             return bad("n_kv_heads, d_ff and max_seq_len must be positive".into());
         }
         if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
-            return bad(format!(
-                "d_model {} is not divisible by n_heads {}",
-                self.d_model, self.n_heads
-            ));
+            return bad(format!("d_model {} is not divisible by n_heads {}", self.d_model, self.n_heads));
         }
         let d = self.head_dim();
         if !d.is_multiple_of(2) {
             return bad(format!("head dim {d} must be even for RoPE"));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return bad(format!(
-                "n_kv_heads {} does not divide n_heads {}",
-                self.n_kv_heads, self.n_heads
-            ));
+            return bad(format!("n_kv_heads {} does not divide n_heads {}", self.n_kv_heads, self.n_heads));
         }
         match self.family {
             Family::Baseline => {}

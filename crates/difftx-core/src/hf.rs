@@ -43,8 +43,7 @@ pub fn read_hf_config(dir: &Path) -> Result<ModelConfig> {
         bail!("{} has no {CONFIG_FILE}: not a Hugging Face model folder", dir.display());
     }
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let value: Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let value: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
     hf_config_from_json(&value).with_context(|| format!("{}: unsupported Hugging Face config", path.display()))
 }
 
@@ -83,10 +82,7 @@ fn rope_type(obj: &Value) -> Option<&str> {
 
 /// Maps a parsed HF config to an engine config (see the module docs).
 pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
-    let model_type = v
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| anyhow!("missing 'model_type'"))?;
+    let model_type = v.get("model_type").and_then(Value::as_str).ok_or_else(|| anyhow!("missing 'model_type'"))?;
     let family = match model_type {
         "diffllama" => Family::DiffV1,
         "llama" => Family::Baseline,
@@ -330,7 +326,9 @@ fn interleaved_to_rotate_half(w: &Tensor, d: usize) -> Result<Tensor> {
 /// DiffLlama always applies the sub-layer norm: the `subln: false` ablation has no HF form.
 fn check_subln_exportable(cfg: &ModelConfig) -> Result<()> {
     if cfg.family == Family::DiffV1 && !cfg.subln {
-        bail!("cannot export: this diff-v1 model has no sub-layer norm (subln: false), which DiffLlama cannot represent");
+        bail!(
+            "cannot export: this diff-v1 model has no sub-layer norm (subln: false), which DiffLlama cannot represent"
+        );
     }
     Ok(())
 }
@@ -340,7 +338,9 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
     let (arch, model_type) = match cfg.family {
         Family::DiffV1 => ("DiffLlamaForCausalLM", "diffllama"),
         Family::Baseline => ("LlamaForCausalLM", "llama"),
-        Family::DiffV2 => bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported"),
+        Family::DiffV2 => {
+            bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported")
+        }
     };
     check_subln_exportable(cfg)?;
     let mut v = json!({

@@ -226,7 +226,9 @@ impl Linear {
             WeightFormat::Q8_0 if in_dim % 32 == 0 => GgmlDType::Q8_0,
             WeightFormat::Q4K if in_dim % 256 == 0 => GgmlDType::Q4K,
             WeightFormat::Q4K if in_dim % 32 == 0 => GgmlDType::Q4_0,
-            _ => candle_core::bail!("cannot quantise a layer of input width {in_dim} to {format:?}: needs a multiple of 32"),
+            _ => candle_core::bail!(
+                "cannot quantise a layer of input width {in_dim} to {format:?}: needs a multiple of 32"
+            ),
         };
         let q = QTensor::quantize(&self.w.to_dtype(DType::F32)?, dtype)?;
         self.quantized = Some(QMatMul::from_qtensor(q)?);
@@ -254,11 +256,7 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> Self {
-        KvCache {
-            layers: (0..cfg.n_layers)
-                .map(|_| candle_nn::kv_cache::KvCache::new(2, cfg.max_seq_len))
-                .collect(),
-        }
+        KvCache { layers: (0..cfg.n_layers).map(|_| candle_nn::kv_cache::KvCache::new(2, cfg.max_seq_len)).collect() }
     }
     /// Number of positions already cached.
     pub fn seq_len(&self) -> usize {
@@ -362,7 +360,9 @@ enum AttnKind {
     Baseline,
     DiffV1(DiffV1),
     /// λ_{t,j} = sigmoid(x_t · W_λ[:, j]), W_λ: [H, D].
-    DiffV2 { lambda_proj: Linear },
+    DiffV2 {
+        lambda_proj: Linear,
+    },
 }
 
 struct Attention {
@@ -467,7 +467,7 @@ impl Attention {
                 let (k1, k2) = split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
                 let v = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
                 let lambda = diff.lambda()?; // [1]
-                // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
+                                             // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
                 let o1 = self.attend(&q1, &k1, &v, step)?;
                 let o2 = self.attend(&q2, &k2, &v, step)?;
                 let o = ops::diff_combine(&o1, &o2, &lambda, step.opts.kernels)?;
@@ -479,7 +479,7 @@ impl Attention {
                 let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
                 let (oa, ob) = split_pairs(&o, HeadPairing::Interleaved)?; // [B, H, T, d] each
                 let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
-                // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                      [B, H, T, d]
+                                                                       // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                      [B, H, T, d]
                 oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)
             }
         }
@@ -622,7 +622,11 @@ impl Model {
                 },
             });
         }
-        let lm_head = Linear::new(if cfg.tie_embeddings { embed.clone() } else { w.get("lm_head.weight", &[cfg.vocab_size, dm])? });
+        let lm_head = Linear::new(if cfg.tie_embeddings {
+            embed.clone()
+        } else {
+            w.get("lm_head.weight", &[cfg.vocab_size, dm])?
+        });
         Ok(Model {
             cfg: cfg.clone(),
             norm: w.get("model.norm.weight", &[dm])?,
@@ -653,14 +657,24 @@ impl Model {
     }
 
     /// As `forward`, recording what `probe` asks for.
-    pub fn forward_probe(&self, ids: &Tensor, cache: Option<&mut KvCache>, probe: Option<&mut Probe>) -> Result<Tensor> {
+    pub fn forward_probe(
+        &self,
+        ids: &Tensor,
+        cache: Option<&mut KvCache>,
+        probe: Option<&mut Probe>,
+    ) -> Result<Tensor> {
         let h = self.hidden_states(ids, cache, probe)?;
         let (b, t, dm) = h.dims3()?;
         linear(&h.reshape((b * t, dm))?, &self.lm_head, &self.opts)?.reshape((b, t, self.cfg.vocab_size))
     }
 
     /// Final-normed hidden states [B, T, D].
-    pub fn hidden_states(&self, ids: &Tensor, mut cache: Option<&mut KvCache>, mut probe: Option<&mut Probe>) -> Result<Tensor> {
+    pub fn hidden_states(
+        &self,
+        ids: &Tensor,
+        mut cache: Option<&mut KvCache>,
+        mut probe: Option<&mut Probe>,
+    ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let offset = cache.as_ref().map(|c| c.seq_len()).unwrap_or(0);
         if offset + t > self.cfg.max_seq_len {

@@ -112,9 +112,8 @@ pub fn causal_mask(t: usize, s: usize, q_offset: usize, dtype: DType, device: &D
         // Even the first query sees every key (decoding one token against a cache).
         return Ok(None);
     }
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..s).map(move |j| if j > i + q_offset { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
+    let mask: Vec<f32> =
+        (0..t).flat_map(|i| (0..s).map(move |j| if j > i + q_offset { f32::NEG_INFINITY } else { 0.0 })).collect();
     Ok(Some(Tensor::from_vec(mask, (t, s), device)?.to_dtype(dtype)?))
 }
 
@@ -134,7 +133,14 @@ pub fn fake_quant_absmax(x: &Tensor, bits: u32) -> Result<Tensor> {
 
 /// Causal attention with the logits fake-quantised to `bits` before the mask and softmax (the
 /// paper's attention-logit quantisation experiment). Always the materialised reference path.
-pub fn attention_quantized_logits(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, bits: u32) -> Result<Tensor> {
+pub fn attention_quantized_logits(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    q_offset: usize,
+    bits: u32,
+) -> Result<Tensor> {
     weigh_values(&quantized_probs(q, k, scale, q_offset, bits)?, v)
 }
 
@@ -149,7 +155,8 @@ mod tests {
 
     #[test]
     fn fake_quant_round_trip() {
-        let x = Tensor::new(&[[1.0f64, -0.5, 0.26, 0.0], [0.0, 0.0, 0.0, 0.0], [-8.0, 3.0, 2.0, 1.0]], &Device::Cpu).unwrap();
+        let x = Tensor::new(&[[1.0f64, -0.5, 0.26, 0.0], [0.0, 0.0, 0.0, 0.0], [-8.0, 3.0, 2.0, 1.0]], &Device::Cpu)
+            .unwrap();
         // 4 bits: qmax 7; row 0 scale 1/7: 0.26 -> round(1.82)=2 -> 2/7.
         let q = fake_quant_absmax(&x, 4).unwrap().to_vec2::<f64>().unwrap();
         let want0 = [1.0, -4.0 / 7.0, 2.0 / 7.0, 0.0];

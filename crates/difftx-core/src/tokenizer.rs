@@ -15,9 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{
-    DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl,
-};
+use tokenizers::{DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, TokenizerImpl};
 
 /// File name of a Hugging Face tokenizer inside a model folder.
 pub const TOKENIZER_JSON: &str = "tokenizer.json";
@@ -53,10 +51,7 @@ impl Tokenizer {
             bail!("tokenizer file {} does not exist or is not a file", path.display());
         }
         let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| {
-            anyhow::anyhow!(
-                "could not load tokenizer {}: {e} (expected a Hugging Face tokenizer.json)",
-                path.display()
-            )
+            anyhow::anyhow!("could not load tokenizer {}: {e} (expected a Hugging Face tokenizer.json)", path.display())
         })?;
         Ok(Tokenizer::Hf(Box::new(tok)))
     }
@@ -74,18 +69,12 @@ impl Tokenizer {
         }
         let marker = dir.join(BYTES_MARKER);
         if marker.exists() {
-            let raw = fs::read_to_string(&marker)
-                .with_context(|| format!("could not read {}", marker.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&raw).with_context(|| {
-                format!("{} is not valid JSON (expected {{\"type\":\"bytes\"}})", marker.display())
-            })?;
+            let raw = fs::read_to_string(&marker).with_context(|| format!("could not read {}", marker.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&raw)
+                .with_context(|| format!("{} is not valid JSON (expected {{\"type\":\"bytes\"}})", marker.display()))?;
             match v.get("type").and_then(|t| t.as_str()) {
                 Some("bytes") => {}
-                other => bail!(
-                    "{} has type {:?}; expected {{\"type\":\"bytes\"}}",
-                    marker.display(),
-                    other
-                ),
+                other => bail!("{} has type {:?}; expected {{\"type\":\"bytes\"}}", marker.display(), other),
             }
         }
         Ok(Tokenizer::Bytes)
@@ -95,8 +84,7 @@ impl Tokenizer {
     /// the `tokenizer_bytes.json` marker for bytes. A file for the other kind left in the
     /// folder is removed, so that [`Tokenizer::from_model_dir`] loads this tokenizer.
     pub fn save_to_model_dir(&self, dir: &Path) -> anyhow::Result<()> {
-        fs::create_dir_all(dir)
-            .with_context(|| format!("could not create model folder {}", dir.display()))?;
+        fs::create_dir_all(dir).with_context(|| format!("could not create model folder {}", dir.display()))?;
         let json = dir.join(TOKENIZER_JSON);
         let marker = dir.join(BYTES_MARKER);
         match self {
@@ -106,9 +94,8 @@ impl Tokenizer {
                 remove_if_exists(&json)?;
             }
             Tokenizer::Hf(tok) => {
-                tok.save(&json, true).map_err(|e| {
-                    anyhow::anyhow!("could not write tokenizer {}: {e}", json.display())
-                })?;
+                tok.save(&json, true)
+                    .map_err(|e| anyhow::anyhow!("could not write tokenizer {}: {e}", json.display()))?;
                 remove_if_exists(&marker)?;
             }
         }
@@ -128,9 +115,8 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Tokenizer::Hf(tok) => {
-                let enc = tok
-                    .encode(text, false)
-                    .map_err(|e| anyhow::anyhow!("tokenizer failed to encode text: {e}"))?;
+                let enc =
+                    tok.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer failed to encode text: {e}"))?;
                 Ok(enc.get_ids().to_vec())
             }
         }
@@ -141,9 +127,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         match self {
             Tokenizer::Bytes => Ok(String::from_utf8_lossy(&ids_to_bytes(ids)?).into_owned()),
-            Tokenizer::Hf(tok) => tok
-                .decode(ids, true)
-                .map_err(|e| anyhow::anyhow!("tokenizer failed to decode ids: {e}")),
+            Tokenizer::Hf(tok) => {
+                tok.decode(ids, true).map_err(|e| anyhow::anyhow!("tokenizer failed to decode ids: {e}"))
+            }
         }
     }
 
@@ -167,9 +153,8 @@ fn remove_if_exists(path: &Path) -> anyhow::Result<()> {
 fn ids_to_bytes(ids: &[u32]) -> anyhow::Result<Vec<u8>> {
     ids.iter()
         .map(|&id| {
-            u8::try_from(id).map_err(|_| {
-                anyhow::anyhow!("token id {id} is out of range for the byte tokenizer (vocab 256)")
-            })
+            u8::try_from(id)
+                .map_err(|_| anyhow::anyhow!("token id {id} is out of range for the byte tokenizer (vocab 256)"))
         })
         .collect()
 }
@@ -304,24 +289,16 @@ pub fn train_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> anyhow::Re
         .min_frequency(0)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect::<HashSet<char>>())
         .build();
-    let mut tok: TokenizerImpl<
-        BPE,
-        NormalizerWrapper,
-        PreTokenizerWrapper,
-        PostProcessorWrapper,
-        DecoderWrapper,
-    > = TokenizerImpl::new(BPE::default());
+    let mut tok: TokenizerImpl<BPE, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper> =
+        TokenizerImpl::new(BPE::default());
     tok.with_pre_tokenizer(Some(byte_level));
     tok.with_decoder(Some(byte_level));
     let names: Vec<String> = files.iter().map(|f| f.to_string_lossy().into_owned()).collect();
-    tok.train_from_files(&mut trainer, names).map_err(|e| {
-        anyhow::anyhow!("BPE training failed (are all the files UTF-8 text?): {e}")
-    })?;
+    tok.train_from_files(&mut trainer, names)
+        .map_err(|e| anyhow::anyhow!("BPE training failed (are all the files UTF-8 text?): {e}"))?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fs::create_dir_all(parent)
-            .with_context(|| format!("could not create folder {}", parent.display()))?;
+        fs::create_dir_all(parent).with_context(|| format!("could not create folder {}", parent.display()))?;
     }
-    tok.save(out, true)
-        .map_err(|e| anyhow::anyhow!("could not write tokenizer {}: {e}", out.display()))?;
+    tok.save(out, true).map_err(|e| anyhow::anyhow!("could not write tokenizer {}: {e}", out.display()))?;
     Ok(())
 }

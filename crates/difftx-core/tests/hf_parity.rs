@@ -90,9 +90,8 @@ fn check_reference(dir: &Path) -> f32 {
 }
 
 fn reference_folders(root: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
-        .unwrap_or_default();
+    let mut v: Vec<PathBuf> =
+        std::fs::read_dir(root).map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default();
     v.retain(|p| p.join("reference_outputs.safetensors").is_file());
     v.sort();
     v
@@ -102,7 +101,17 @@ fn reference_folders(root: &Path) -> Vec<PathBuf> {
 fn fixture_parity() {
     let dirs = reference_folders(&fixtures_dir());
     let names: Vec<String> = dirs.iter().map(|d| d.file_name().unwrap().to_string_lossy().into_owned()).collect();
-    for want in ["tiny_diffllama", "tiny_llama", "diffllama_gqa_kv1", "diffllama_gqa_kv3", "diffllama_gqa_kv2", "diffllama_tied", "diffllama_bf16", "llama_gqa", "llama_sharded"] {
+    for want in [
+        "tiny_diffllama",
+        "tiny_llama",
+        "diffllama_gqa_kv1",
+        "diffllama_gqa_kv3",
+        "diffllama_gqa_kv2",
+        "diffllama_tied",
+        "diffllama_bf16",
+        "llama_gqa",
+        "llama_sharded",
+    ] {
         assert!(names.iter().any(|n| n == want), "fixture {want} missing (have {names:?})");
     }
     for d in dirs {
@@ -194,11 +203,15 @@ fn loader_errors_are_clear() {
     let src = fixtures_dir().join("llama_gqa");
     let d = tmp_dir("shape");
     copy_dir(&src, &d);
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
     v["intermediate_size"] = (v["intermediate_size"].as_u64().unwrap() + 8).into();
     std::fs::write(d.join("config.json"), v.to_string()).unwrap();
     let e = err(load_model(&d, DType::F32, &dev));
-    assert!(e.contains("'model.layers.0.mlp.gate_proj.weight'") && e.contains("model.safetensors") && e.contains("shape"), "{e}");
+    assert!(
+        e.contains("'model.layers.0.mlp.gate_proj.weight'") && e.contains("model.safetensors") && e.contains("shape"),
+        "{e}"
+    );
 
     // Truncated safetensors.
     let d = tmp_dir("trunc");
@@ -233,7 +246,10 @@ fn loader_errors_are_clear() {
     let list: Vec<(String, Tensor)> = w.into_iter().collect();
     std::fs::write(d.join("model.safetensors"), checkpoint::safetensors_bytes(&list).unwrap()).unwrap();
     let e = err(load_model(&d, DType::F32, &dev));
-    assert!(e.contains("'model.norm.weight'") && e.contains("unsupported dtype") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains("'model.norm.weight'") && e.contains("unsupported dtype") && e.contains("model.safetensors"),
+        "{e}"
+    );
 
     // Missing tensor and unexpected tensor.
     let d = tmp_dir("missing");
@@ -253,7 +269,8 @@ fn loader_errors_are_clear() {
     assert!(e.contains("model.safetensors"), "{e}");
 
     for name in ["empty", "gpt2", "shape", "trunc", "shard", "dtype", "missing", "noweights"] {
-        let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("difftx-hf-test-{}-{name}", std::process::id())));
+        let _ =
+            std::fs::remove_dir_all(std::env::temp_dir().join(format!("difftx-hf-test-{}-{name}", std::process::id())));
     }
 }
 
@@ -345,7 +362,10 @@ fn export_roundtrip(cfg: &ModelConfig, name: &str) -> f32 {
 #[test]
 fn export_diff_v1_interleaved_with_gain_gqa() {
     let cfg = native_config(Family::DiffV1);
-    assert_eq!((cfg.head_pairing, cfg.rope_style, cfg.subln_affine), (HeadPairing::Interleaved, RopeStyle::Interleaved, true));
+    assert_eq!(
+        (cfg.head_pairing, cfg.rope_style, cfg.subln_affine),
+        (HeadPairing::Interleaved, RopeStyle::Interleaved, true)
+    );
     export_roundtrip(&cfg, "v1_interleaved");
 }
 
@@ -426,7 +446,9 @@ fn export_errors() {
 #[test]
 #[ignore]
 fn dump_export_for_python() {
-    let root = std::env::var("DIFFTX_EXPORT_DIR").map(PathBuf::from).unwrap_or_else(|_| std::env::temp_dir().join("difftx-export"));
+    let root = std::env::var("DIFFTX_EXPORT_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| std::env::temp_dir().join("difftx-export"));
     let mut cases = vec![("diffllama", native_config(Family::DiffV1)), ("llama", native_config(Family::Baseline))];
     let mut tied = native_config(Family::DiffV1);
     tied.n_kv_heads = 2;

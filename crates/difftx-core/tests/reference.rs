@@ -88,8 +88,10 @@ impl RefModel {
         let scale = 1.0 / (d as f64).sqrt();
         let split = |v: Vec<f64>| -> Vec<Vec<f64>> { v.chunks(d).map(|c| c.to_vec()).collect() };
         // Per position: heads of dim d.
-        let mut q: Vec<Vec<Vec<f64>>> = xs.iter().map(|x| split(self.linear(&format!("{p}.q_proj.weight"), x))).collect();
-        let mut k: Vec<Vec<Vec<f64>>> = xs.iter().map(|x| split(self.linear(&format!("{p}.k_proj.weight"), x))).collect();
+        let mut q: Vec<Vec<Vec<f64>>> =
+            xs.iter().map(|x| split(self.linear(&format!("{p}.q_proj.weight"), x))).collect();
+        let mut k: Vec<Vec<Vec<f64>>> =
+            xs.iter().map(|x| split(self.linear(&format!("{p}.k_proj.weight"), x))).collect();
         let v: Vec<Vec<Vec<f64>>> = xs.iter().map(|x| split(self.linear(&format!("{p}.v_proj.weight"), x))).collect();
         for (t, heads) in q.iter_mut().enumerate() {
             heads.iter_mut().for_each(|h| self.rope(h, t));
@@ -113,10 +115,15 @@ impl RefModel {
                 }
                 Family::DiffV1 => {
                     let dot = |a: &str, b: &str| -> f64 {
-                        self.get(&format!("{p}.{a}")).iter().zip(self.get(&format!("{p}.{b}"))).map(|(x, y)| x * y).sum()
+                        self.get(&format!("{p}.{a}"))
+                            .iter()
+                            .zip(self.get(&format!("{p}.{b}")))
+                            .map(|(x, y)| x * y)
+                            .sum()
                     };
                     let lambda_init = 0.8 - 0.6 * (-0.3 * layer as f64).exp();
-                    let lambda = dot("lambda_q1", "lambda_k1").exp() - dot("lambda_q2", "lambda_k2").exp() + lambda_init;
+                    let lambda =
+                        dot("lambda_q1", "lambda_k1").exp() - dot("lambda_q2", "lambda_k2").exp() + lambda_init;
                     let n_rep = n_q / n_kv;
                     for j in 0..n_q / 2 {
                         let (qa, qb) = self.pair(j, n_q);
@@ -162,8 +169,10 @@ impl RefModel {
         let mut xs: Vec<Vec<f64>> = ids.iter().map(|&i| emb[i as usize * dm..(i as usize + 1) * dm].to_vec()).collect();
         for l in 0..cfg.n_layers {
             let p = format!("model.layers.{l}");
-            let h: Vec<Vec<f64>> =
-                xs.iter().map(|x| Self::rms(x, Some(self.get(&format!("{p}.input_layernorm.weight"))), cfg.norm_eps)).collect();
+            let h: Vec<Vec<f64>> = xs
+                .iter()
+                .map(|x| Self::rms(x, Some(self.get(&format!("{p}.input_layernorm.weight"))), cfg.norm_eps))
+                .collect();
             let a = self.attention(l, &h);
             for (x, a) in xs.iter_mut().zip(&a) {
                 x.iter_mut().zip(a).for_each(|(x, a)| *x += a);
@@ -178,9 +187,7 @@ impl RefModel {
             }
         }
         let head = if cfg.tie_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        xs.iter()
-            .map(|x| self.linear(head, &Self::rms(x, Some(self.get("model.norm.weight")), cfg.norm_eps)))
-            .collect()
+        xs.iter().map(|x| self.linear(head, &Self::rms(x, Some(self.get("model.norm.weight")), cfg.norm_eps))).collect()
     }
 }
 
@@ -277,8 +284,7 @@ fn forward_matches_f64_reference_for_every_family_and_layout() {
         let batch = vec![ids_for(&cfg, 13, 1), ids_for(&cfg, 13, 2)]; // odd length, batch 2
         let want: Vec<Vec<Vec<f64>>> = batch.iter().map(|ids| reference.logits(ids)).collect();
         for dtype in [DType::F64, DType::F32] {
-            let map: HashMap<_, _> =
-                weights.iter().map(|(n, t)| (n.clone(), t.to_dtype(dtype).unwrap())).collect();
+            let map: HashMap<_, _> = weights.iter().map(|(n, t)| (n.clone(), t.to_dtype(dtype).unwrap())).collect();
             let model = Model::from_weights(&cfg, &map).unwrap();
             let got = model_logits(&model, &batch);
             let tol = if dtype == DType::F64 { 1e-9 } else { 2e-4 };
@@ -399,7 +405,10 @@ fn gradients_of_every_parameter_match_finite_differences() {
                 assert!(err < 1e-6 + 1e-4 * fd.abs(), "{family} {name}[{i}]: analytic {} vs numeric {fd}", g[i]);
             }
             if name.contains("lambda") {
-                assert!(g.iter().any(|x| x.abs() > 1e-8), "{family}: gradient of {name} is zero: lambda is not learned");
+                assert!(
+                    g.iter().any(|x| x.abs() > 1e-8),
+                    "{family}: gradient of {name} is zero: lambda is not learned"
+                );
             }
         }
     }
@@ -487,10 +496,21 @@ fn quantized_weights_stay_close_to_f32() {
         let t = Tensor::new(&ids[0][..6], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         model.forward(&t, Some(&mut cache)).unwrap();
         let t = Tensor::new(&ids[0][6..7], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let step = model.forward(&t, Some(&mut cache)).unwrap().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let step = model
+            .forward(&t, Some(&mut cache))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         let d = step.iter().zip(&got[6]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         let noise = max_abs_diff(&got, &exact);
-        assert!(d <= 2.0 * noise, "{format:?}: cached step differs by {d} (quantisation error {noise}, spread {spread})");
+        assert!(
+            d <= 2.0 * noise,
+            "{format:?}: cached step differs by {d} (quantisation error {noise}, spread {spread})"
+        );
     }
     // 8-bit is close; 4-bit is further off but still the same function.
     // (A wrong layout or scale gives errors of order 1.)

@@ -321,8 +321,8 @@ pub fn uniform_causal_shares(punct: &[bool]) -> (f64, f64) {
         return (f64::NAN, f64::NAN);
     }
     let (mut first, mut pun, mut count) = (0.0, 0.0, 0usize);
-    for t in 1..punct.len() {
-        if punct[t] {
+    for (t, &is_punct) in punct.iter().enumerate().skip(1) {
+        if is_punct {
             count += 1;
         }
         first += 1.0 / (t + 1) as f64;
@@ -593,8 +593,12 @@ pub(crate) fn draw_bars_labelled(path: &Path, title: &str, y_desc: &str, series:
         let light = RGBAColor(c.0, c.1, c.2, 0.35);
         for (di, &(_, a, n)) in vals.iter().enumerate() {
             let x0 = di as f64 - 0.4 + (2 * si) as f64 * w;
-            chart.draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (x0 + w, a)], c.filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
-            chart.draw_series(std::iter::once(Rectangle::new([(x0 + w, 0.0), (x0 + 2.0 * w, n)], light.filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+            chart
+                .draw_series(std::iter::once(Rectangle::new([(x0, 0.0), (x0 + w, a)], c.filled())))
+                .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+            chart
+                .draw_series(std::iter::once(Rectangle::new([(x0 + w, 0.0), (x0 + 2.0 * w, n)], light.filled())))
+                .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
         }
         chart
             .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], c.filled())))
@@ -602,7 +606,14 @@ pub(crate) fn draw_bars_labelled(path: &Path, title: &str, y_desc: &str, series:
             .label(format!("{name}: answer span (solid) / noise (light)"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
-    chart.configure_series_labels().position(SeriesLabelPosition::UpperRight).background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 12)).draw().map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 12))
+        .draw()
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     root.present().map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
     Ok(())
 }

@@ -63,7 +63,11 @@ pub fn continuation_logprob(model: &Model, prompt: &[u32], cont: &[u32]) -> Resu
     let mut ids = prompt.to_vec();
     ids.extend_from_slice(&cont[..cont.len() - 1]);
     if ids.len() > model.config().max_seq_len {
-        bail!("icl: prompt and label need {} tokens, more than the model's context of {}; lower --shots", ids.len() + 1, model.config().max_seq_len);
+        bail!(
+            "icl: prompt and label need {} tokens, more than the model's context of {}; lower --shots",
+            ids.len() + 1,
+            model.config().max_seq_len
+        );
     }
     let x = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
     let logits = model.forward(&x, None)?.i(0)?.to_dtype(DType::F64)?; // [T, V]
@@ -102,7 +106,8 @@ fn read_labelled(path: &Path) -> Result<Vec<(String, String)>> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}:{}: not JSON ({e})", path.display(), i + 1))?;
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| anyhow::anyhow!("{}:{}: not JSON ({e})", path.display(), i + 1))?;
         match (v.get("text").and_then(|x| x.as_str()), v.get("label").and_then(|x| x.as_str())) {
             (Some(t), Some(l)) => out.push((t.replace('\n', " "), l.to_string())),
             _ => bail!("{}:{}: needs string fields \"text\" and \"label\"", path.display(), i + 1),
@@ -125,7 +130,9 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
                 let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[31, e as u64]));
                 let task = SyntheticTask::random(opts.classes, &mut rng);
                 // demonstrations cover every class when shots allow
-                let mut demos: Vec<(String, usize)> = (0..opts.shots).map(|i| (task.input_of_class(i % opts.classes, &mut rng), i % opts.classes)).collect();
+                let mut demos: Vec<(String, usize)> = (0..opts.shots)
+                    .map(|i| (task.input_of_class(i % opts.classes, &mut rng), i % opts.classes))
+                    .collect();
                 demos.shuffle(&mut rng);
                 let queries = task.examples(opts.queries, &mut rng);
                 eps.push(Episode { labels: task.labels.clone(), demos, queries });
@@ -140,7 +147,12 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
                 bail!("icl: {} has a single label", path.display());
             }
             if opts.shots + opts.queries > all.len() {
-                bail!("icl: {} has {} examples, fewer than shots + queries = {}", path.display(), all.len(), opts.shots + opts.queries);
+                bail!(
+                    "icl: {} has {} examples, fewer than shots + queries = {}",
+                    path.display(),
+                    all.len(),
+                    opts.shots + opts.queries
+                );
             }
             let idx = |l: &str| labels.iter().position(|x| x == l).unwrap_or(0);
             for e in 0..opts.episodes {
@@ -148,7 +160,8 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
                 let mut pool = all.clone();
                 pool.shuffle(&mut rng);
                 let demos = pool[..opts.shots].iter().map(|(t, l)| (t.clone(), idx(l))).collect();
-                let queries = pool[opts.shots..opts.shots + opts.queries].iter().map(|(t, l)| (t.clone(), idx(l))).collect();
+                let queries =
+                    pool[opts.shots..opts.shots + opts.queries].iter().map(|(t, l)| (t.clone(), idx(l))).collect();
                 eps.push(Episode { labels: labels.clone(), demos, queries });
             }
         }
@@ -186,7 +199,8 @@ fn truncate_text(tok: &Tokenizer, text: &str, budget: usize) -> Result<(String, 
 fn fit_episode(tok: &Tokenizer, ep: &Episode, max_tokens: usize, label_tokens: usize) -> Result<Fitted> {
     let len = |t: &str| -> Result<usize> { Ok(tok.encode(t)?.len()) };
     let demo_len: Vec<usize> = ep.demos.iter().map(|(t, _)| len(t)).collect::<Result<_>>()?;
-    let demo_ov: Vec<usize> = ep.demos.iter().map(|(_, c)| len(&icl_line("", &ep.labels[*c]))).collect::<Result<_>>()?;
+    let demo_ov: Vec<usize> =
+        ep.demos.iter().map(|(_, c)| len(&icl_line("", &ep.labels[*c]))).collect::<Result<_>>()?;
     let query_len: Vec<usize> = ep.queries.iter().map(|(t, _)| len(t)).collect::<Result<_>>()?;
     let query_ov = len(&icl_query(""))? + label_tokens.saturating_sub(1);
     let longest = demo_len.iter().chain(&query_len).copied().max().unwrap_or(0);
@@ -363,10 +377,23 @@ pub fn run_icl(model_dir: &Path, opts: &IclOptions, out_dir: &Path) -> Result<se
         .unwrap_or_default()
         .iter()
         .enumerate()
-        .map(|(i, e)| (format!("episode {i}"), e["order_accuracies"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()))
+        .map(|(i, e)| {
+            (
+                format!("episode {i}"),
+                e["order_accuracies"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+                    .unwrap_or_default(),
+            )
+        })
         .collect();
     let chance = res["chance_accuracy"].as_f64().unwrap_or(0.0);
-    draw_spread(&out_dir.join("icl.png"), &format!("{}-shot accuracy over demonstration orders ({})", opts.shots, model.config().family.as_str()), &series, chance)?;
+    draw_spread(
+        &out_dir.join("icl.png"),
+        &format!("{}-shot accuracy over demonstration orders ({})", opts.shots, model.config().family.as_str()),
+        &series,
+        chance,
+    )?;
     let v = serde_json::json!({
         "instrument": "icl",
         "model": model_dir.display().to_string(),
@@ -410,7 +437,12 @@ pub(crate) fn draw_spread(path: &Path, title: &str, series: &[(String, Vec<f64>)
         .draw()
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     chart
-        .draw_series(DashedLineSeries::new(vec![(-0.5, chance), (n as f64 - 0.5, chance)], 6, 4, BLACK.mix(0.5).stroke_width(1)))
+        .draw_series(DashedLineSeries::new(
+            vec![(-0.5, chance), (n as f64 - 0.5, chance)],
+            6,
+            4,
+            BLACK.mix(0.5).stroke_width(1),
+        ))
         .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     for (i, (_, vals)) in series.iter().enumerate() {
         if vals.is_empty() {
@@ -421,10 +453,18 @@ pub(crate) fn draw_spread(path: &Path, title: &str, series: &[(String, Vec<f64>)
         let lo = vals.iter().cloned().fold(f64::INFINITY, f64::min);
         let hi = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let m = crate::stats::mean(vals);
-        chart.draw_series(std::iter::once(Rectangle::new([(x - 0.25, lo), (x + 0.25, hi)], c.mix(0.25).filled()))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
-        chart.draw_series(std::iter::once(PathElement::new(vec![(x - 0.3, m), (x + 0.3, m)], c.stroke_width(3)))).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
         chart
-            .draw_series(vals.iter().enumerate().map(|(j, v)| Circle::new((x - 0.2 + 0.4 * j as f64 / vals.len().max(2) as f64, *v), 3, c.filled())))
+            .draw_series(std::iter::once(Rectangle::new([(x - 0.25, lo), (x + 0.25, hi)], c.mix(0.25).filled())))
+            .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        chart
+            .draw_series(std::iter::once(PathElement::new(vec![(x - 0.3, m), (x + 0.3, m)], c.stroke_width(3))))
+            .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+        chart
+            .draw_series(
+                vals.iter().enumerate().map(|(j, v)| {
+                    Circle::new((x - 0.2 + 0.4 * j as f64 / vals.len().max(2) as f64, *v), 3, c.filled())
+                }),
+            )
             .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     }
     root.present().map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;

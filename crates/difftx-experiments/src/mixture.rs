@@ -180,7 +180,13 @@ pub fn clean_text(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut last_space = true;
     for c in text.chars() {
-        let c = if c.is_ascii() && !c.is_ascii_control() { c } else if c.is_whitespace() { ' ' } else { continue };
+        let c = if c.is_ascii() && !c.is_ascii_control() {
+            c
+        } else if c.is_whitespace() {
+            ' '
+        } else {
+            continue;
+        };
         if c == ' ' {
             if !last_space {
                 out.push(' ');
@@ -268,7 +274,14 @@ pub fn insert_at_depths(hay: &str, sentences: &[(String, f64)]) -> (String, Vec<
 /// One needle document of at most `max_chars` characters: real text with `n` needles at random
 /// depths, then `r` questions, each on its own line followed by its answer.
 /// `n` and `r` are reduced when that many needles and questions cannot fit `max_chars`.
-pub fn needle_document(clean: &str, fmt: &PairFormat, n: usize, r: usize, max_chars: usize, rng: &mut impl Rng) -> String {
+pub fn needle_document(
+    clean: &str,
+    fmt: &PairFormat,
+    n: usize,
+    r: usize,
+    max_chars: usize,
+    rng: &mut impl Rng,
+) -> String {
     let pair = fmt.pair_chars() + 1;
     let r = r.clamp(1, (max_chars / (2 * pair)).max(1));
     let n = n.clamp(r, (max_chars.saturating_sub(pair * r) / pair).max(r));
@@ -276,8 +289,7 @@ pub fn needle_document(clean: &str, fmt: &PairFormat, n: usize, r: usize, max_ch
     let mut asked: Vec<usize> = (0..needles.len()).collect();
     asked.shuffle(rng);
     asked.truncate(r.min(needles.len()));
-    let qa: String =
-        asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
+    let qa: String = asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
     let fixed: usize = needles.iter().map(|(k, v)| needle_sentence(k, v).len() + 1).sum::<usize>() + qa.len();
     let hay_len = max_chars.saturating_sub(fixed);
     let hay_len = if hay_len > 0 { rng.random_range(hay_len / 3..=hay_len) } else { 0 };
@@ -345,7 +357,9 @@ pub fn recall_document(
     let queries = order
         .iter()
         .enumerate()
-        .map(|(j, &i)| (format!("{}{}", if j > 0 { " " } else { "" }, needle_question(&pairs[i].0)), pairs[i].1.clone()))
+        .map(|(j, &i)| {
+            (format!("{}{}", if j > 0 { " " } else { "" }, needle_question(&pairs[i].0)), pairs[i].1.clone())
+        })
         .collect();
     RecallDocument { context, queries }
 }
@@ -407,7 +421,12 @@ pub fn icl_query(input: &str) -> String {
 /// One in-context document: `shots` demonstrations then a query with its answer.
 pub fn icl_document(shots: usize, classes: usize, rng: &mut impl Rng) -> String {
     let task = SyntheticTask::random(classes, rng);
-    task.examples(shots + 1, rng).iter().map(|(x, c)| icl_line(x, &task.labels[*c])).collect::<String>().trim_end().to_string()
+    task.examples(shots + 1, rng)
+        .iter()
+        .map(|(x, c)| icl_line(x, &task.labels[*c]))
+        .collect::<String>()
+        .trim_end()
+        .to_string()
 }
 
 /// Builds `n_docs` documents in the proportions of `spec`, shuffled, reproducibly from `seed`.

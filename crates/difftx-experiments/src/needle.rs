@@ -7,7 +7,9 @@
 //! Placement: the R asked needles sit together at the given depth; the N − R others at random
 //! depths. One prompt per asked needle (same context, different question).
 
-use crate::mixture::{clean_text, haystack, insert_at_depths, needle_question, needle_sentence, read_corpus, PairFormat};
+use crate::mixture::{
+    clean_text, haystack, insert_at_depths, needle_question, needle_sentence, read_corpus, PairFormat,
+};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use difftx_core::model::{last_logits, KvCache, Model};
@@ -96,7 +98,9 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>
         }
         let logits = model.forward(&input, Some(&mut cache))?;
         let l = last_logits(&logits)?;
-        let next = l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+        let next =
+            l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+                as u32;
         out.push(next);
         input = Tensor::new(&[next], model.device())?.unsqueeze(0)?;
     }
@@ -105,7 +109,12 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>
 
 /// Encodes `text`, trimming haystack characters until it fits `max_tokens`; `build(h)` makes the
 /// text from a haystack budget of `h` characters. Returns None if even an empty haystack is too long.
-pub(crate) fn fit_tokens(tok: &Tokenizer, max_tokens: usize, mut hay: usize, build: impl Fn(usize) -> String) -> Result<Option<(String, Vec<u32>, usize)>> {
+pub(crate) fn fit_tokens(
+    tok: &Tokenizer,
+    max_tokens: usize,
+    mut hay: usize,
+    build: impl Fn(usize) -> String,
+) -> Result<Option<(String, Vec<u32>, usize)>> {
     for _ in 0..12 {
         let text = build(hay);
         let ids = tok.encode(&text)?;
@@ -138,8 +147,10 @@ pub fn needle_prompts(
     for i in 0..n {
         depths.push(if i < r { depth } else { rng.random_range(0.0..=1.0) });
     }
-    let sentences: Vec<(String, f64)> = needles.iter().zip(&depths).map(|((k, v), d)| (needle_sentence(k, v), *d)).collect();
-    let fixed: usize = sentences.iter().map(|s| s.0.len() + 1).sum::<usize>() + needle_question(&needles[0].0).len() + 1;
+    let sentences: Vec<(String, f64)> =
+        needles.iter().zip(&depths).map(|((k, v), d)| (needle_sentence(k, v), *d)).collect();
+    let fixed: usize =
+        sentences.iter().map(|s| s.0.len() + 1).sum::<usize>() + needle_question(&needles[0].0).len() + 1;
     let hay_source = haystack(clean, len.saturating_sub(fixed) + 64, rng);
     let build_ctx = |h: usize| -> (String, Vec<std::ops::Range<usize>>) {
         let h = h.min(hay_source.len());
@@ -151,7 +162,10 @@ pub fn needle_prompts(
         }
         insert_at_depths(cut, &sentences)
     };
-    let Some((_, _, hay)) = fit_tokens(tok, len, len.saturating_sub(fixed), |h| format!("{}\n{}", build_ctx(h).0, needle_question(&needles[0].0)))? else {
+    let Some((_, _, hay)) = fit_tokens(tok, len, len.saturating_sub(fixed), |h| {
+        format!("{}\n{}", build_ctx(h).0, needle_question(&needles[0].0))
+    })?
+    else {
         return Ok(None);
     };
     let (ctx, ranges) = build_ctx(hay);
@@ -197,7 +211,8 @@ pub fn evaluate_needles(
     }
     let max = max_seq_len;
     let ans_tokens = tok.encode(&"9".repeat(opts.pairs.value_digits))?.len();
-    let lengths = if opts.context_lengths.is_empty() { auto_lengths(max, ans_tokens) } else { opts.context_lengths.clone() };
+    let lengths =
+        if opts.context_lengths.is_empty() { auto_lengths(max, ans_tokens) } else { opts.context_lengths.clone() };
     if let Some(l) = lengths.iter().find(|&&l| l + ans_tokens > max || l == 0) {
         bail!("needle: context length {l} does not fit the model's context of {max} tokens (answer needs {ans_tokens} more)");
     }
@@ -212,8 +227,10 @@ pub fn evaluate_needles(
             for (di, &d) in opts.depths.iter().enumerate() {
                 let (mut c, mut t, mut fits) = (0usize, 0usize, true);
                 for trial in 0..opts.trials {
-                    let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[si as u64, li as u64, di as u64, trial as u64]));
-                    let Some(prompts) = needle_prompts(tok, &clean, &opts.pairs, n, r, len, d / 100.0, &mut rng)? else {
+                    let mut rng =
+                        StdRng::seed_from_u64(cell_seed(opts.seed, &[si as u64, li as u64, di as u64, trial as u64]));
+                    let Some(prompts) = needle_prompts(tok, &clean, &opts.pairs, n, r, len, d / 100.0, &mut rng)?
+                    else {
                         fits = false;
                         break;
                     };
@@ -265,9 +282,22 @@ pub(crate) fn sweep_panels(v: &serde_json::Value, prefix: &str) -> Vec<Panel> {
         .iter()
         .map(|sw| Panel {
             title: format!("{prefix}N={}, R={}", sw["n"], sw["r"]),
-            rows: sw["context_lengths"].as_array().map(|a| a.iter().map(|x| x.to_string()).collect()).unwrap_or_default(),
-            cols: sw["depths"].as_array().map(|a| a.iter().map(|x| format!("{:.0}%", x.as_f64().unwrap_or(0.0))).collect()).unwrap_or_default(),
-            values: sw["accuracy"].as_array().map(|rows| rows.iter().map(|r| r.as_array().map(|c| c.iter().map(|x| x.as_f64()).collect()).unwrap_or_default()).collect()).unwrap_or_default(),
+            rows: sw["context_lengths"]
+                .as_array()
+                .map(|a| a.iter().map(|x| x.to_string()).collect())
+                .unwrap_or_default(),
+            cols: sw["depths"]
+                .as_array()
+                .map(|a| a.iter().map(|x| format!("{:.0}%", x.as_f64().unwrap_or(0.0))).collect())
+                .unwrap_or_default(),
+            values: sw["accuracy"]
+                .as_array()
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| r.as_array().map(|c| c.iter().map(|x| x.as_f64()).collect()).unwrap_or_default())
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
         .collect()
 }
@@ -280,7 +310,13 @@ pub fn run_needle(model_dir: &Path, opts: &NeedleOptions, out_dir: &Path) -> Res
     let max = model.config().max_seq_len;
     let res = evaluate_needles(&tok, opts, max, &mut |ids, k| greedy(&model, ids, k))?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    draw_heatmaps(&out_dir.join("needle.png"), "multi-needle retrieval accuracy (rows: context tokens, cols: depth; grey: does not fit)", &sweep_panels(&res, ""), 0.0, 1.0)?;
+    draw_heatmaps(
+        &out_dir.join("needle.png"),
+        "multi-needle retrieval accuracy (rows: context tokens, cols: depth; grey: does not fit)",
+        &sweep_panels(&res, ""),
+        0.0,
+        1.0,
+    )?;
     let v = serde_json::json!({
         "instrument": "needle",
         "model": model_dir.display().to_string(),
@@ -336,7 +372,8 @@ pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64,
     let (pw, ph) = if panels.len() == 1 { (760u32, 720u32) } else { (400u32, 340u32) };
     let root = BitMapBackend::new(path, (pw * per_row as u32, ph * n_rows as u32 + 40)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
-    root.draw_text(title, &("sans-serif", 18).into_font().color(&BLACK), (10, 10)).map_err(|e| anyhow::anyhow!("plot: {e}"))?;
+    root.draw_text(title, &("sans-serif", 18).into_font().color(&BLACK), (10, 10))
+        .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
     let area = root.margin(40, 0, 0, 0);
     let cells = area.split_evenly((n_rows, per_row));
     for (p, a) in panels.iter().zip(cells.iter()) {
@@ -369,7 +406,10 @@ pub(crate) fn draw_heatmaps(path: &Path, title: &str, panels: &[Panel], lo: f64,
                     _ => RGBColor(200, 200, 200),
                 };
                 chart
-                    .draw_series(std::iter::once(Rectangle::new([(ci as f64 - 0.5, ri as f64 - 0.5), (ci as f64 + 0.5, ri as f64 + 0.5)], c.filled())))
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(ci as f64 - 0.5, ri as f64 - 0.5), (ci as f64 + 0.5, ri as f64 + 0.5)],
+                        c.filled(),
+                    )))
                     .map_err(|e| anyhow::anyhow!("plot: {e}"))?;
                 if big {
                     if let Some(x) = v {

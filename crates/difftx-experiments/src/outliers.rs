@@ -266,7 +266,11 @@ pub fn run_outliers(model_dir: &Path, opts: &OutliersOptions, out_dir: &Path) ->
         "note": "top-k = k-th largest |value|; attention logits are q·kᵀ·scale of every map (both maps for differential models), causal entries only; hidden states are each block's output",
     });
     write_json(out_dir, "outliers.json", &value)?;
-    plot_outliers(&cfg.family.to_string(), &[("attention logits", &logit_layers, &logit_all), ("hidden states", &hidden_layers, &hidden_all)], &out_dir.join("outliers.png"))?;
+    plot_outliers(
+        &cfg.family.to_string(),
+        &[("attention logits", &logit_layers, &logit_all), ("hidden states", &hidden_layers, &hidden_all)],
+        &out_dir.join("outliers.png"),
+    )?;
     Ok(value)
 }
 
@@ -316,7 +320,10 @@ fn plot_outliers(family: &str, panels: &[Panel], path: &Path) -> Result<()> {
         for (si, name) in stat_names.iter().enumerate() {
             let y = ymax * (0.95 - 0.06 * si as f64);
             chart
-                .draw_series(std::iter::once(Rectangle::new([(n * 0.75, y), (n * 0.78, y - ymax * 0.03)], colors[si].filled())))
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(n * 0.75, y), (n * 0.78, y - ymax * 0.03)],
+                    colors[si].filled(),
+                )))
                 .map_err(plot_err(path))?;
             chart
                 .draw_series(std::iter::once(Text::new(name.to_string(), (n * 0.8, y), ("sans-serif", 12).into_font())))

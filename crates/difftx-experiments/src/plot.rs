@@ -477,7 +477,8 @@ fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
             .filter(|&v| v >= lo * (1.0 - 1e-9) && v <= hi * (1.0 + 1e-9))
             .collect()
     };
-    for m in [&[1.0][..], &[1.0, 2.0, 5.0], &[1.0, 2.0, 3.0, 5.0, 7.0], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]] {
+    for m in [&[1.0][..], &[1.0, 2.0, 5.0], &[1.0, 2.0, 3.0, 5.0, 7.0], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]
+    {
         let t = inside(m);
         if t.len() >= 3 {
             let step = t.len().div_ceil(8);
@@ -566,11 +567,7 @@ pub fn draw_param_efficiency(path: &Path, title: &str, series: &[EfficiencySerie
     };
     let (x0, x1) = (10f64.powf(l0), 10f64.powf(l1));
     let fit_ends = series.iter().filter_map(|s| fit_ok(&s.fit)).flat_map(|(a, b)| [a + b * x0.ln(), a + b * x1.ln()]);
-    let (y0, y1) = span(
-        pts.iter().flatten().flat_map(|p| [p.1, p.2, p.3]).chain(fit_ends),
-        0.06,
-    )
-    .unwrap_or((0.0, 1.0));
+    let (y0, y1) = span(pts.iter().flatten().flat_map(|p| [p.1, p.2, p.3]).chain(fit_ends), 0.06).unwrap_or((0.0, 1.0));
     let ticks: Vec<f64> = log_ticks(x0, x1).into_iter().map(f64::log10).collect();
     let mut chart = ChartBuilder::on(&plots)
         .caption(caption, (FONT_NAME, 16))
@@ -596,15 +593,12 @@ pub fn draw_param_efficiency(path: &Path, title: &str, series: &[EfficiencySerie
     let n = series.len();
     for (ci, (s, p)) in series.iter().zip(&pts).enumerate() {
         let c = colour(ci);
-        match fit_ok(&s.fit) {
-            Some((a, b)) => {
-                let line: Vec<(f64, f64)> = (0..=100)
-                    .map(|i| l0 + (l1 - l0) * i as f64 / 100.0)
-                    .map(|l| (l, a + b * (l * std::f64::consts::LN_10)))
-                    .collect();
-                chart.draw_series(DashedLineSeries::new(line, 9, 6, c.stroke_width(2))).map_err(pe(path))?;
-            }
-            None => {}
+        if let Some((a, b)) = fit_ok(&s.fit) {
+            let line: Vec<(f64, f64)> = (0..=100)
+                .map(|i| l0 + (l1 - l0) * i as f64 / 100.0)
+                .map(|l| (l, a + b * (l * std::f64::consts::LN_10)))
+                .collect();
+            chart.draw_series(DashedLineSeries::new(line, 9, 6, c.stroke_width(2))).map_err(pe(path))?;
         }
         let nudge = ((ci as f64 - (n as f64 - 1.0) / 2.0) * 7.0).round() as i32;
         if fit_ok(&s.fit).is_none() && p.len() > 1 {
@@ -615,7 +609,8 @@ pub fn draw_param_efficiency(path: &Path, title: &str, series: &[EfficiencySerie
             let (px, py) = chart.backend_coord(&(q.0.log10(), q.1));
             let px = px + nudge;
             if fin(q.2) && fin(q.3) {
-                let (ylo, yhi) = (chart.backend_coord(&(q.0.log10(), q.2)).1, chart.backend_coord(&(q.0.log10(), q.3)).1);
+                let (ylo, yhi) =
+                    (chart.backend_coord(&(q.0.log10(), q.2)).1, chart.backend_coord(&(q.0.log10(), q.3)).1);
                 let bar = |v: Vec<(i32, i32)>| PathElement::new(v, c.stroke_width(2));
                 root.draw(&bar(vec![(px, ylo), (px, yhi)])).map_err(pe(path))?;
                 root.draw(&bar(vec![(px - 5, ylo), (px + 5, ylo)])).map_err(pe(path))?;

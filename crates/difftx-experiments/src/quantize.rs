@@ -88,7 +88,9 @@ pub fn quantize_matrix(data: &mut [f32], cols: usize, group: Option<usize>, bits
 
 /// Whether a weight is quantised: linear-layer weights only (and the embedding when tied).
 pub fn is_quantized_weight(name: &str, cfg: &ModelConfig) -> bool {
-    name.ends_with("_proj.weight") || name == "lm_head.weight" || (cfg.tie_embeddings && name == "model.embed_tokens.weight")
+    name.ends_with("_proj.weight")
+        || name == "lm_head.weight"
+        || (cfg.tie_embeddings && name == "model.embed_tokens.weight")
 }
 
 /// A copy of `weights` with every linear-layer weight fake-quantised (see [`quantize_matrix`]).
@@ -140,7 +142,8 @@ pub fn run_quantize(model_dir: &Path, opts: &QuantizeOptions, out_dir: &Path) ->
     let dir = difftx_core::checkpoint::resolve_model_dir(model_dir)?;
     let (cfg, weights) = difftx_core::checkpoint::load_model(&dir, DType::F32, &Device::Cpu)
         .with_context(|| format!("cannot load the model in {}", dir.display()))?;
-    let base = Model::from_weights(&cfg, &weights).with_context(|| format!("{}: weights do not fit the config", dir.display()))?;
+    let base = Model::from_weights(&cfg, &weights)
+        .with_context(|| format!("{}: weights do not fit the config", dir.display()))?;
     let tok = difftx_core::tokenizer::Tokenizer::from_model_dir(&dir)?;
     let (text, text_path) = read_eval_text(opts.text.as_deref())?;
     let (windows, seq_len) = eval_windows(&base, &tok, &text, opts.seq_len, opts.max_tokens)?;
@@ -219,7 +222,8 @@ fn plot_quantize(family: &str, baseline: f64, rows: &[serde_json::Value], path: 
             None => curves.push((name, vec![pt])),
         }
     }
-    let losses: Vec<f64> = curves.iter().flat_map(|(_, p)| p.iter().map(|x| x.1)).chain([baseline]).filter(|x| x.is_finite()).collect();
+    let losses: Vec<f64> =
+        curves.iter().flat_map(|(_, p)| p.iter().map(|x| x.1)).chain([baseline]).filter(|x| x.is_finite()).collect();
     let (lo, hi) = losses.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
     let pad = ((hi - lo) * 0.1).max(1e-3);
     let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
@@ -252,9 +256,7 @@ fn plot_quantize(family: &str, baseline: f64, rows: &[serde_json::Value], path: 
             .map_err(plot_err(path))?
             .label(name.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart
-            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))
-            .map_err(plot_err(path))?;
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled()))).map_err(plot_err(path))?;
     }
     chart
         .configure_series_labels()

@@ -202,14 +202,10 @@ pub fn read_qkv_npz(path: &Path) -> Result<(Qkv4, Qkv4, Qkv4)> {
         )
     })?;
     let get = |name: &str| -> Result<Qkv4> {
-        let t = arrays
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t)
-            .with_context(|| {
-                let names: Vec<&str> = arrays.iter().map(|(n, _)| n.as_str()).collect();
-                format!("{}: no array '{name}' (found {:?}); expected arrays Q, K, V", path.display(), names)
-            })?;
+        let t = arrays.iter().find(|(n, _)| n == name).map(|(_, t)| t).with_context(|| {
+            let names: Vec<&str> = arrays.iter().map(|(n, _)| n.as_str()).collect();
+            format!("{}: no array '{name}' (found {:?}); expected arrays Q, K, V", path.display(), names)
+        })?;
         if t.dtype() != candle_core::DType::F64 {
             bail!("{}: array '{name}' is {:?}, expected float64", path.display(), t.dtype());
         }
@@ -421,7 +417,11 @@ fn plot_demo(r: &DemoReport, path: &Path) -> Result<()> {
             [(r.std_target_weight, r.std_avg_noise_weight), (r.diff_target_weight, r.diff_avg_noise_weight)],
             &left,
         ),
-        ("Signal-to-noise ratio (x) and peak/median |out|", [(r.std_snr, r.std_peak_median_ratio), (r.diff_snr, r.diff_peak_median_ratio)], &right),
+        (
+            "Signal-to-noise ratio (x) and peak/median |out|",
+            [(r.std_snr, r.std_peak_median_ratio), (r.diff_snr, r.diff_peak_median_ratio)],
+            &right,
+        ),
     ];
     for (pi, (title, vals, area)) in panels.iter().enumerate() {
         let ymax = vals.iter().flat_map(|(a, b)| [*a, *b]).fold(0.0f64, f64::max).max(1e-9) * 1.35;

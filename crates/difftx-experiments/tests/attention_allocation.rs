@@ -84,9 +84,12 @@ fn bad_options_are_errors() {
     let out = dir.path().join("o");
     let e = run_attention(dir.path(), &AttentionOptions { heatmap_head: 99, ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("head 99"), "{e}");
-    let e = run_attention(dir.path(), &AttentionOptions { needles: 8, ..Default::default() }, &out).unwrap_err();
+    let e =
+        run_attention(dir.path(), &AttentionOptions { needles: 8, context_len: Some(12), ..Default::default() }, &out)
+            .unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");
-    let e = run_attention(dir.path(), &AttentionOptions { depths: vec![150.0], ..Default::default() }, &out).unwrap_err();
+    let e =
+        run_attention(dir.path(), &AttentionOptions { depths: vec![150.0], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("150"), "{e}");
 }
 
@@ -145,7 +148,9 @@ fn row_allocation_known_values() {
     let r = row_allocation(&[0.1, 0.4, 0.2, 0.1, 0.2], 1..2, 0..4).unwrap();
     assert!((r.answer - 0.4 / 0.8).abs() < 1e-12 && (r.noise - 0.4 / 0.8).abs() < 1e-12, "{r:?}");
     let r = row_allocation(&[0.1, 0.4, 0.2, 0.3], 1..3, 0..4).unwrap();
-    assert!((r.answer - 0.6).abs() < 1e-12 && (r.noise - 0.4).abs() < 1e-12 && (r.answer + r.noise - 1.0).abs() < 1e-12);
+    assert!(
+        (r.answer - 0.6).abs() < 1e-12 && (r.noise - 0.4).abs() < 1e-12 && (r.answer + r.noise - 1.0).abs() < 1e-12
+    );
     // signed row (diff map): negative answer weights count as negative, noise by magnitude
     let r = row_allocation(&[0.2, 0.5, -0.1, -0.05, 0.7], 1..3, 0..4).unwrap();
     assert!((r.answer - 0.4 / 0.85).abs() < 1e-12, "{r:?}");

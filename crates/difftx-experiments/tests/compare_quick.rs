@@ -9,7 +9,15 @@ fn quick_compare_writes_a_full_report() {
     let rep = run_compare(&opts).unwrap();
     eprintln!("quick compare wall time: {:.1} s", t.elapsed().as_secs_f64());
     let out = dir.path().join("cmp");
-    for f in ["report.md", "report.json", "loss_curves.png", "needle_heatmaps.png", "recall.png", "attention_bars.png", "icl_spread.png"] {
+    for f in [
+        "report.md",
+        "report.json",
+        "loss_curves.png",
+        "needle_heatmaps.png",
+        "recall.png",
+        "attention_bars.png",
+        "icl_spread.png",
+    ] {
         assert!(out.join(f).metadata().map(|m| m.len() > 200).unwrap_or(false), "{f} missing");
     }
     // 3 families x 2 seeds, each analysed by every instrument
@@ -81,7 +89,8 @@ fn quick_compare_writes_a_full_report() {
 fn sizes_and_the_ablation_arm_give_efficiency_and_ablation_rows() {
     let dir = tempfile::tempdir().unwrap();
     let arms: Vec<Arm> = ["baseline", "diff-v1", "diff-v1-nonorm"].iter().map(|a| a.parse().unwrap()).collect();
-    let opts = CompareOptions { quick: true, out: dir.path().join("c"), arms, sizes: vec![64], jobs: 2, ..Default::default() };
+    let opts =
+        CompareOptions { quick: true, out: dir.path().join("c"), arms, sizes: vec![64], jobs: 2, ..Default::default() };
     let rep = run_compare(&opts).unwrap();
     // 3 arms x 2 seeds x 2 widths
     assert_eq!(rep.report_json["runs"].as_array().unwrap().len(), 12);
@@ -92,22 +101,30 @@ fn sizes_and_the_ablation_arm_give_efficiency_and_ablation_rows() {
     assert!(md.contains("diff-v1 without its per-head norm"));
     let pe = rep.report_json["param_efficiency"].as_array().unwrap();
     assert_eq!(pe.len(), 2);
-    assert!("diff-v1-nonorm".parse::<Arm>().unwrap().subln == false);
+    assert!(!"diff-v1-nonorm".parse::<Arm>().unwrap().subln);
     assert!("diff-v3".parse::<Arm>().is_err());
 }
 
 #[test]
 fn bad_budgets_and_families_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let e = run_compare(&CompareOptions { budget: Budget::Steps(1), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    let e = run_compare(&CompareOptions { budget: Budget::Steps(1), out: dir.path().into(), ..Default::default() })
+        .unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
-    let e = run_compare(&CompareOptions { budget: Budget::Seconds(1.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    let e = run_compare(&CompareOptions { budget: Budget::Seconds(1.0), out: dir.path().into(), ..Default::default() })
+        .unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
     let e = run_compare(&CompareOptions { arms: vec![], out: dir.path().into(), ..Default::default() }).unwrap_err();
     assert!(e.to_string().contains("no families"), "{e}");
     let e = run_compare(&CompareOptions { seeds: 0, out: dir.path().into(), ..Default::default() }).unwrap_err();
     assert!(e.to_string().contains("seeds"), "{e}");
-    let e = run_compare(&CompareOptions { preset: "huge".into(), quick: true, out: dir.path().into(), ..Default::default() }).unwrap_err();
+    let e = run_compare(&CompareOptions {
+        preset: "huge".into(),
+        quick: true,
+        out: dir.path().into(),
+        ..Default::default()
+    })
+    .unwrap_err();
     assert!(e.to_string().contains("huge"), "{e}");
 }
 
@@ -123,7 +140,9 @@ fn budgets_parse() {
     }
     // 30 s for 9 models is under 5 s each
     let dir = tempfile::tempdir().unwrap();
-    let e = run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() }).unwrap_err();
+    let e =
+        run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() })
+            .unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
 }
 
@@ -146,8 +165,13 @@ fn compare_runs_record_their_exact_training_text() {
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("c/mixture.json")).unwrap()).unwrap();
     let spec: difftx_experiments::mixture::MixtureSpec = serde_json::from_value(m["spec"].clone()).unwrap();
     let corpus = difftx_experiments::mixture::read_corpus(None).unwrap();
-    let docs =
-        difftx_experiments::mixture::build_mixture(&spec, &corpus, m["documents"].as_u64().unwrap() as usize, m["seed"].as_u64().unwrap()).unwrap();
+    let docs = difftx_experiments::mixture::build_mixture(
+        &spec,
+        &corpus,
+        m["documents"].as_u64().unwrap() as usize,
+        m["seed"].as_u64().unwrap(),
+    )
+    .unwrap();
     let original = difftx_train::data::TokenDataset::build(&docs, &tok, topts.seq_len, topts.val_fraction).unwrap();
     assert!(original == ds, "the recorded training text gives a different token stream");
 }

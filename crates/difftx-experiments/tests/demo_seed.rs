@@ -69,11 +69,7 @@ fn bad_npz_gives_clear_errors() {
             vec![("Q", ok.clone()), ("K", ok.to_dtype(DType::F32).unwrap()), ("V", ok.clone())],
             "expected float64",
         ),
-        (
-            "rank",
-            vec![("Q", ok.reshape((2, 64, 8)).unwrap()), ("K", ok.clone()), ("V", ok.clone())],
-            "expected rank 4",
-        ),
+        ("rank", vec![("Q", ok.reshape((2, 64, 8)).unwrap()), ("K", ok.clone()), ("V", ok.clone())], "expected rank 4"),
         (
             "shape",
             vec![("Q", ok.clone()), ("K", ok.clone()), ("V", Tensor::zeros((1, 2, 64, 4), DType::F64, &dev).unwrap())],

@@ -98,23 +98,32 @@ fn data_file_and_errors() {
     assert!(!e.to_string().contains('\n'), "{e}");
     let long = tempfile::tempdir().unwrap();
     tiny_model_ctx(long.path(), Family::DiffV2, 512);
-    let v = run_icl(long.path(), &IclOptions { data: Some(data), shots: 2, orders: 1, episodes: 1, queries: 2, ..Default::default() }, &dir.path().join("o")).unwrap();
+    let v = run_icl(
+        long.path(),
+        &IclOptions { data: Some(data), shots: 2, orders: 1, episodes: 1, queries: 2, ..Default::default() },
+        &dir.path().join("o"),
+    )
+    .unwrap();
     assert_eq!(v["episodes"][0]["labels"].as_array().unwrap().len(), 7);
     let e = run_icl(dir.path(), &IclOptions { classes: 1, ..Default::default() }, &dir.path().join("o")).unwrap_err();
     assert!(e.to_string().contains("classes"), "{e}");
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"a\"}\n").unwrap();
-    let e = run_icl(dir.path(), &IclOptions { data: Some(bad), ..Default::default() }, &dir.path().join("o")).unwrap_err();
+    let e =
+        run_icl(dir.path(), &IclOptions { data: Some(bad), ..Default::default() }, &dir.path().join("o")).unwrap_err();
     assert!(e.to_string().contains("label"), "{e}");
 }
 
 fn parse(tok: &Tokenizer, prompt: &[u32], label: &[u32]) -> (Vec<(String, String)>, String, String) {
     let text = tok.decode(prompt).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    let demos = lines[..lines.len() - 1].iter().map(|l| {
-        let (x, y) = l.split_once(" -> ").unwrap();
-        (x.to_string(), y.to_string())
-    }).collect();
+    let demos = lines[..lines.len() - 1]
+        .iter()
+        .map(|l| {
+            let (x, y) = l.split_once(" -> ").unwrap();
+            (x.to_string(), y.to_string())
+        })
+        .collect();
     let query = lines.last().unwrap().trim_end_matches(" ->").to_string();
     (demos, query, tok.decode(label).unwrap().trim().to_string())
 }
@@ -186,7 +195,8 @@ fn long_texts_are_truncated_to_fit_the_context() {
         Ok(if label == right { 0.0 } else { -1.0 })
     };
     // 4 shots: 4·(b + 8) + b + 6 <= 256 -> every text cut to b = 43 tokens, none dropped
-    let opts = IclOptions { shots: 4, orders: 3, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
+    let opts =
+        IclOptions { shots: 4, orders: 3, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
     let v = evaluate_icl(&tok, &opts, ctx, &mut oracle).unwrap();
     assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
     assert_eq!(v["skipped_examples"].as_u64().unwrap(), 0);
@@ -199,7 +209,8 @@ fn long_texts_are_truncated_to_fit_the_context() {
     // 12 shots: the budget would fall below MIN_TEXT_TOKENS, so demonstrations are dropped until
     // 9 fit at b = 17 (10·b + 78 <= 256)
     assert_eq!(MIN_TEXT_TOKENS, 16);
-    let opts = IclOptions { shots: 12, orders: 2, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
+    let opts =
+        IclOptions { shots: 12, orders: 2, episodes: 2, queries: 4, data: Some(data.clone()), ..Default::default() };
     let v = evaluate_icl(&tok, &opts, ctx, &mut oracle).unwrap();
     assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
     assert_eq!(v["skipped_examples"].as_u64().unwrap(), 2 * 3);
@@ -207,7 +218,8 @@ fn long_texts_are_truncated_to_fit_the_context() {
     assert_eq!(v["episodes"][0]["shots"].as_u64().unwrap(), 9);
     assert_eq!(v["episodes"][0]["text_budget"].as_u64().unwrap(), 17);
     // short texts that fit: nothing is changed
-    let opts = IclOptions { shots: 2, orders: 2, episodes: 1, queries: 2, data: Some(data.clone()), ..Default::default() };
+    let opts =
+        IclOptions { shots: 2, orders: 2, episodes: 1, queries: 2, data: Some(data.clone()), ..Default::default() };
     let v = evaluate_icl(&tok, &opts, 100_000, &mut |_, _| Ok(0.0)).unwrap();
     assert_eq!(v["truncated_examples"].as_u64().unwrap(), 0);
     assert!(v["note"].is_null() && v["episodes"][0]["text_budget"].is_null());

@@ -20,7 +20,13 @@ fn pairs_in(text: &str) -> Vec<&str> {
 
 #[test]
 fn composition_is_exact_and_reproducible() {
-    let spec = MixtureSpec { text_fraction: 0.4, needle_fraction: 0.2, recall_fraction: 0.2, icl_fraction: 0.2, ..Default::default() };
+    let spec = MixtureSpec {
+        text_fraction: 0.4,
+        needle_fraction: 0.2,
+        recall_fraction: 0.2,
+        icl_fraction: 0.2,
+        ..Default::default()
+    };
     let text = corpus();
     let docs = build_mixture(&spec, &text, 100, 7).unwrap();
     assert_eq!(docs.len(), 100);
@@ -67,10 +73,9 @@ fn needle_documents_answer_their_questions() {
 fn recall_documents_query_every_pair_once() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     let words = ["to", "be", "or", "not"];
-    for &(fmt, n, filler) in &[
-        (PairFormat::default(), 8, (0, 0)),
-        (PairFormat { key_len: 2, key_letters: 4, value_digits: 2 }, 12, (1, 3)),
-    ] {
+    for &(fmt, n, filler) in
+        &[(PairFormat::default(), 8, (0, 0)), (PairFormat { key_len: 2, key_letters: 4, value_digits: 2 }, 12, (1, 3))]
+    {
         let doc = recall_document(&words, &fmt, n, filler, &mut rng);
         let text = doc.text();
         let (ctx, queries) = text.split_once('\n').unwrap();
@@ -140,7 +145,13 @@ fn synthetic_task_classes_are_consistent() {
 #[test]
 fn bad_specs_are_rejected() {
     let text = corpus();
-    let bad = MixtureSpec { text_fraction: 0.0, needle_fraction: 0.0, recall_fraction: 0.0, icl_fraction: 0.0, ..Default::default() };
+    let bad = MixtureSpec {
+        text_fraction: 0.0,
+        needle_fraction: 0.0,
+        recall_fraction: 0.0,
+        icl_fraction: 0.0,
+        ..Default::default()
+    };
     assert!(build_mixture(&bad, &text, 10, 0).unwrap_err().to_string().contains("fractions"));
     let bad = MixtureSpec { needles: (3, 1), ..Default::default() };
     assert!(build_mixture(&bad, &text, 10, 0).is_err());

@@ -55,7 +55,8 @@ fn untrained_model_fails_and_unfit_sweeps_are_null() {
     let dir = tempfile::tempdir().unwrap();
     tiny_model(dir.path(), Family::DiffV1);
     let out = dir.path().join("out");
-    let opts = NeedleOptions { sweeps: vec![(1, 1), (6, 2)], depths: vec![0.0, 100.0], trials: 2, ..Default::default() };
+    let opts =
+        NeedleOptions { sweeps: vec![(1, 1), (6, 2)], depths: vec![0.0, 100.0], trials: 2, ..Default::default() };
     let v = run_needle(dir.path(), &opts, &out).unwrap();
     assert!(out.join("needle.png").metadata().unwrap().len() > 1000);
     assert!(out.join("needle.json").exists());
@@ -68,7 +69,13 @@ fn untrained_model_fails_and_unfit_sweeps_are_null() {
     assert_eq!(s0["questions"].as_u64().unwrap() as usize, 4 * 2 * 2);
     // short needles: N=6 fits every length
     assert!(!v["sweeps"][1]["accuracy"][0][0].is_null());
-    let opts = NeedleOptions { sweeps: vec![(6, 2)], context_lengths: vec![10], depths: vec![0.0], trials: 1, ..Default::default() };
+    let opts = NeedleOptions {
+        sweeps: vec![(6, 2)],
+        context_lengths: vec![10],
+        depths: vec![0.0],
+        trials: 1,
+        ..Default::default()
+    };
     let e = run_needle(dir.path(), &opts, &out).unwrap_err();
     assert!(e.to_string().contains("too short"), "{e}");
 }
@@ -80,7 +87,8 @@ fn bad_options_give_clear_errors() {
     let out = dir.path().join("o");
     let e = run_needle(dir.path(), &NeedleOptions { sweeps: vec![(1, 2)], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("R=2"), "{e}");
-    let e = run_needle(dir.path(), &NeedleOptions { context_lengths: vec![4096], ..Default::default() }, &out).unwrap_err();
+    let e =
+        run_needle(dir.path(), &NeedleOptions { context_lengths: vec![4096], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
     let e = run_needle(dir.path(), &NeedleOptions { sweeps: vec![(30, 2)], ..Default::default() }, &out).unwrap_err();
     assert!(e.to_string().contains("distinct keys"), "{e}");
@@ -95,7 +103,8 @@ fn oracle(tok: &Tokenizer, ids: &[u32], k: usize, only_early: bool) -> anyhow::R
     let q = text.rfind('\n').unwrap();
     let key = &text[q + 1..];
     let ctx = &text[..q];
-    let is_needle = |w: &str| w.len() == key.len() + 1 && w.starts_with(key) && w.as_bytes()[key.len()].is_ascii_digit();
+    let is_needle =
+        |w: &str| w.len() == key.len() + 1 && w.starts_with(key) && w.as_bytes()[key.len()].is_ascii_digit();
     let word = ctx.split(' ').find(|w| is_needle(w)).unwrap();
     let value = &word[key.len()..];
     let pos = ctx.find(word).unwrap();

@@ -14,7 +14,10 @@ fn known_tensor_exact_topk_and_median() {
     vals.swap(3, 150);
     let s = outlier_stats(&vals).unwrap();
     assert_eq!(s.count, 200);
-    assert_eq!((s.top1, s.top2, s.top3, s.top10, s.top100), (Some(200.0), Some(199.0), Some(198.0), Some(191.0), Some(101.0)));
+    assert_eq!(
+        (s.top1, s.top2, s.top3, s.top10, s.top100),
+        (Some(200.0), Some(199.0), Some(198.0), Some(191.0), Some(101.0))
+    );
     assert_eq!(s.median, Some(100.5));
     assert!(s.median_exact);
     assert_eq!(s.top1_over_median, Some(200.0 / 100.5));
@@ -46,7 +49,10 @@ fn histogram_median_within_bound_and_merge_is_consistent() {
     all.merge(&b).unwrap();
     let merged = all.stats();
     assert_eq!(merged.count, exact.count);
-    assert_eq!((merged.top1, merged.top2, merged.top10, merged.top100), (exact.top1, exact.top2, exact.top10, exact.top100));
+    assert_eq!(
+        (merged.top1, merged.top2, merged.top10, merged.top100),
+        (exact.top1, exact.top2, exact.top10, exact.top100)
+    );
     assert!((merged.median.unwrap() - e).abs() <= e * 2f64.powi(-7));
 }
 
@@ -72,7 +78,8 @@ fn tiny_diff_model_end_to_end() {
     let text: String = (0..400).map(|i| ["to be ", "or not ", "that is ", "the question "][i % 4]).collect();
     std::fs::write(&text_path, &text).unwrap();
     let out = tmp.path().join("out");
-    let opts = OutliersOptions { text: Some(text_path.clone()), max_tokens: 64, seq_len: Some(16), ..Default::default() };
+    let opts =
+        OutliersOptions { text: Some(text_path.clone()), max_tokens: 64, seq_len: Some(16), ..Default::default() };
     let v = run_outliers(&mdir, &opts, &out).unwrap();
     assert_eq!(v["windows"], 4);
     // diff-v1: n_heads projected heads = n_heads/2 differential heads with two maps each.
@@ -91,7 +98,8 @@ fn tiny_diff_model_end_to_end() {
     let (mut hmax, mut lmax) = (0f32, 0f32);
     for w in &windows {
         let ids = Tensor::from_slice(&w[..16], (1, 16), &Device::Cpu).unwrap();
-        let mut probe = difftx_core::model::Probe { capture_hidden: true, capture_attention: true, ..Default::default() };
+        let mut probe =
+            difftx_core::model::Probe { capture_hidden: true, capture_attention: true, ..Default::default() };
         model.forward_probe(&ids, None, Some(&mut probe)).unwrap();
         let h = probe.hidden[2].abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
         hmax = hmax.max(h);
@@ -113,7 +121,8 @@ fn tiny_diff_model_end_to_end() {
     let m = v["hidden_states"]["per_layer"][1]["median"].as_f64().unwrap();
     assert!(m > 0.0 && m < got_h);
 
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("outliers.json")).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("outliers.json")).unwrap()).unwrap();
     assert_eq!(json["attention_logits"]["all_layers"]["count"], v["attention_logits"]["all_layers"]["count"]);
     let close = (json["hidden_states"]["all_layers"]["top1"].as_f64().unwrap() - got_h).abs() < 1e-12;
     assert!(close);
@@ -125,6 +134,7 @@ fn tiny_diff_model_end_to_end() {
     std::fs::write(&text_path, "short").unwrap();
     let err = run_outliers(&mdir, &opts, &out).unwrap_err().to_string();
     assert!(err.contains("text too short"), "{err}");
-    let err = run_outliers(&mdir, &OutliersOptions { seq_len: Some(1000), ..opts.clone() }, &out).unwrap_err().to_string();
+    let err =
+        run_outliers(&mdir, &OutliersOptions { seq_len: Some(1000), ..opts.clone() }, &out).unwrap_err().to_string();
     assert!(err.contains("longer than the model's context"), "{err}");
 }

@@ -3,7 +3,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, ModelConfig};
-use difftx_experiments::quantize::{is_quantized_weight, quantize_matrix, quantize_weights, run_quantize, QuantizeOptions};
+use difftx_experiments::quantize::{
+    is_quantized_weight, quantize_matrix, quantize_weights, run_quantize, QuantizeOptions,
+};
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 
@@ -35,7 +37,9 @@ fn hand_built_matrix_per_group_and_per_channel() {
 fn absmax_round_trip_error_bounds() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let (rows, cols) = (16, 96);
-    let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-3.0f32..3.0) * if rng.random_bool(0.05) { 20.0 } else { 1.0 }).collect();
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-3.0f32..3.0) * if rng.random_bool(0.05) { 20.0 } else { 1.0 })
+        .collect();
     for bits in [4u32, 6, 8, 16] {
         let qmax = ((1u32 << (bits - 1)) - 1) as f32;
         for group in [None, Some(32), Some(40)] {
@@ -49,7 +53,10 @@ fn absmax_round_trip_error_bounds() {
                     for (j, x) in chunk.iter().enumerate() {
                         let y = q[r * cols + ci * g + j];
                         // Half a step, plus f32 rounding of the scaled value (matters at 16 bits).
-                        assert!((x - y).abs() <= scale * 0.5 + x.abs() * 1e-6, "bits {bits} group {group:?}: {x} -> {y}");
+                        assert!(
+                            (x - y).abs() <= scale * 0.5 + x.abs() * 1e-6,
+                            "bits {bits} group {group:?}: {x} -> {y}"
+                        );
                         assert!(y.abs() <= absmax * (1.0 + 1e-6));
                     }
                     // The largest value is exact (up to f32 rounding of the scale).
@@ -60,7 +67,12 @@ fn absmax_round_trip_error_bounds() {
             // Per channel agrees with the engine's dynamic absmax over the last dim.
             if group.is_none() {
                 let t = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu).unwrap();
-                let e = difftx_core::ops::fake_quant_absmax(&t, bits).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let e = difftx_core::ops::fake_quant_absmax(&t, bits)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
                 for (a, b) in e.iter().zip(&q) {
                     assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{a} vs {b}");
                 }
@@ -86,13 +98,22 @@ fn save(dir: &Path, cfg: &ModelConfig, seed: u64, std_scale: f32) {
     // Larger weights than the init so that the model is far from uniform and quantisation bites.
     let w: Vec<(String, Tensor)> = w
         .into_iter()
-        .map(|(n, t)| if n.ends_with("_proj.weight") || n.contains("embed") || n.contains("lm_head") { (n, (t * std_scale as f64).unwrap()) } else { (n, t) })
+        .map(|(n, t)| {
+            if n.ends_with("_proj.weight") || n.contains("embed") || n.contains("lm_head") {
+                (n, (t * std_scale as f64).unwrap())
+            } else {
+                (n, t)
+            }
+        })
         .collect();
     difftx_core::checkpoint::save_model(dir, cfg, &w).unwrap();
 }
 
 fn loss_of(v: &serde_json::Value, setting: &str) -> f64 {
-    v["results"].as_array().unwrap().iter().find(|r| r["setting"] == setting).unwrap_or_else(|| panic!("no {setting}"))["loss"].as_f64().unwrap()
+    v["results"].as_array().unwrap().iter().find(|r| r["setting"] == setting).unwrap_or_else(|| panic!("no {setting}"))
+        ["loss"]
+        .as_f64()
+        .unwrap()
 }
 
 #[test]
@@ -106,7 +127,8 @@ fn tiny_models_int8_barely_changes_loss_int4_more() {
         let cfg = tiny_cfg(family, false);
         save(&mdir, &cfg, 11, 10.0);
         let out = tmp.path().join(format!("out-{}", family.as_str()));
-        let opts = QuantizeOptions { text: Some(text_path.clone()), max_tokens: 128, seq_len: Some(32), ..Default::default() };
+        let opts =
+            QuantizeOptions { text: Some(text_path.clone()), max_tokens: 128, seq_len: Some(32), ..Default::default() };
         let v = run_quantize(&mdir, &opts, &out).unwrap();
         let base = v["baseline_loss"].as_f64().unwrap();
         assert!(base.is_finite() && base > 0.0);
@@ -114,7 +136,12 @@ fn tiny_models_int8_barely_changes_loss_int4_more() {
         let d = |s: &str| (loss_of(&v, s) - base).abs();
         assert!(d("logits int16") < 1e-3, "{family:?}: {}", d("logits int16"));
         assert!(d("W8 per-channel") < 0.02, "{family:?}: int8 delta {}", d("W8 per-channel"));
-        assert!(d("W4 per-channel") > 3.0 * d("W8 per-channel"), "{family:?}: int4 {} vs int8 {}", d("W4 per-channel"), d("W8 per-channel"));
+        assert!(
+            d("W4 per-channel") > 3.0 * d("W8 per-channel"),
+            "{family:?}: int4 {} vs int8 {}",
+            d("W4 per-channel"),
+            d("W8 per-channel")
+        );
         assert!(d("W4A4") > d("W8A8"), "{family:?}: W4A4 {} vs W8A8 {}", d("W4A4"), d("W8A8"));
         assert!(d("logits int4") > d("logits int16"));
         let names: Vec<&str> = v["quantized_weights"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
@@ -131,7 +158,8 @@ fn tiny_models_int8_barely_changes_loss_int4_more() {
     let mdir = tmp.path().join("baseline");
     let bad = QuantizeOptions { logit_bits: vec![1], ..Default::default() };
     assert!(run_quantize(&mdir, &bad, tmp.path()).unwrap_err().to_string().contains("out of range"));
-    let err = run_quantize(&tmp.path().join("missing"), &QuantizeOptions::default(), tmp.path()).unwrap_err().to_string();
+    let err =
+        run_quantize(&tmp.path().join("missing"), &QuantizeOptions::default(), tmp.path()).unwrap_err().to_string();
     assert!(err.contains("does not exist"), "{err}");
 }
 
@@ -141,7 +169,8 @@ fn tied_embedding_is_quantized_only_when_tied() {
     assert!(is_quantized_weight("model.embed_tokens.weight", &cfg));
     assert!(!is_quantized_weight("model.embed_tokens.weight", &tiny_cfg(Family::Baseline, false)));
     assert!(!is_quantized_weight("model.layers.0.input_layernorm.weight", &cfg));
-    let w: std::collections::HashMap<String, Tensor> = difftx_core::model::init_weights(&cfg, 1, DType::F32, &Device::Cpu).unwrap().into_iter().collect();
+    let w: std::collections::HashMap<String, Tensor> =
+        difftx_core::model::init_weights(&cfg, 1, DType::F32, &Device::Cpu).unwrap().into_iter().collect();
     let (q, names) = quantize_weights(&cfg, &w, 4, Some(32)).unwrap();
     assert!(names.contains(&"model.embed_tokens.weight".to_string()));
     let norm = "model.norm.weight";

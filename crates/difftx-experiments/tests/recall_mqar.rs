@@ -19,7 +19,8 @@ fn oracle(tok: &Tokenizer, ids: &[u32]) -> anyhow::Result<Vec<u32>> {
             j -= 1;
         }
         if b[j].is_ascii_lowercase() && starts_pair(j) {
-            let first = (0..j).find(|&m| b[m] == b[j] && starts_pair(m) && b.get(m + 1).is_some_and(|c| c.is_ascii_digit()));
+            let first =
+                (0..j).find(|&m| b[m] == b[j] && starts_pair(m) && b.get(m + 1).is_some_and(|c| c.is_ascii_digit()));
             if let Some(&c) = first.and_then(|m| b.get(m + 1 + (i - j))) {
                 pred = c;
             }
@@ -71,10 +72,13 @@ fn documents_that_do_not_fit_are_skipped_and_nothing_fitting_is_an_error() {
     let v = evaluate_recall(&tok, &opts, 64, &mut |ids| oracle(&tok, ids)).unwrap();
     assert!(v["by_pairs"][1]["accuracy"].is_null());
     assert_eq!(v["by_pairs"][1]["skipped_documents"].as_u64().unwrap(), 3);
-    let e = evaluate_recall(&tok, &RecallOptions { pair_counts: vec![20], ..opts.clone() }, 64, &mut |ids| oracle(&tok, ids))
-        .unwrap_err();
+    let e = evaluate_recall(&tok, &RecallOptions { pair_counts: vec![20], ..opts.clone() }, 64, &mut |ids| {
+        oracle(&tok, ids)
+    })
+    .unwrap_err();
     assert!(e.to_string().contains("fits"), "{e}");
-    let e = evaluate_recall(&tok, &RecallOptions { pair_counts: vec![30], ..opts }, 256, &mut |ids| oracle(&tok, ids)).unwrap_err();
+    let e = evaluate_recall(&tok, &RecallOptions { pair_counts: vec![30], ..opts }, 256, &mut |ids| oracle(&tok, ids))
+        .unwrap_err();
     assert!(e.to_string().contains("distinct keys"), "{e}");
 }
 

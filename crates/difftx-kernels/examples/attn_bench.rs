@@ -27,7 +27,8 @@ fn naive(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let (_, _, t, _) = q.dims4()?;
     let s = k.dim(2)?;
     let scores = (q.matmul(&k.t()?)? * scale)?;
-    let mask: Vec<f32> = (0..t).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    let mask: Vec<f32> =
+        (0..t).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
     let mask = Tensor::from_vec(mask, (t, s), q.device())?;
     let scores = scores.broadcast_add(&mask)?;
     let m = scores.max_keepdim(D::Minus1)?;

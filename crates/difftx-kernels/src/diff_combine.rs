@@ -19,7 +19,12 @@ pub fn diff_combine(o1: &Tensor, o2: &Tensor, lambda: &Tensor) -> Result<Tensor>
         dt => bail!("difftx_kernels::diff_combine: unsupported dtype {dt:?} (f32, f64 only)"),
     }
     if o1.dims() != o2.dims() || o1.dtype() != o2.dtype() || lambda.dtype() != o1.dtype() {
-        bail!("difftx_kernels::diff_combine: o1 {:?}, o2 {:?}, lambda {:?} must share shape (o1, o2) and dtype", o1.dims(), o2.dims(), lambda.dtype());
+        bail!(
+            "difftx_kernels::diff_combine: o1 {:?}, o2 {:?}, lambda {:?} must share shape (o1, o2) and dtype",
+            o1.dims(),
+            o2.dims(),
+            lambda.dtype()
+        );
     }
     if lambda.elem_count() != 1 {
         bail!("difftx_kernels::diff_combine: lambda must have one element, got shape {:?}", lambda.dims());
@@ -58,7 +63,14 @@ pub(crate) fn diff_combine_bwd<T: Float>(o2: &[T], lambda: T, dz: &[T], do2: &mu
     T::ZERO - s
 }
 
-fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+fn fwd_typed<T: Float>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> Result<(CpuStorage, Shape)> {
     let (a, b, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
     let mut z = vec![T::ZERO; a.len()];
     diff_combine_fwd(a, b, lam[0], &mut z);
@@ -82,7 +94,15 @@ impl CustomOp3 for DiffCombine {
         "difftx-diff-combine"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         match s1.dtype() {
             DType::F32 => fwd_typed::<f32>(s1, l1, s2, l2, s3, l3),
             DType::F64 => fwd_typed::<f64>(s1, l1, s2, l2, s3, l3),
@@ -90,7 +110,14 @@ impl CustomOp3 for DiffCombine {
         }
     }
 
-    fn bwd(&self, _o1: &Tensor, o2: &Tensor, lambda: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        _o1: &Tensor,
+        o2: &Tensor,
+        lambda: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dz = grad_res.to_dtype(o2.dtype())?.contiguous()?;
         let (do2, dl) = match o2.dtype() {
             DType::F32 => bwd_typed::<f32>(o2, lambda, &dz)?,

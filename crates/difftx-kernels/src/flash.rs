@@ -363,12 +363,31 @@ fn fwd_task_rows<T: Float>(
 }
 
 /// Forward over all heads: fills `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`.
-pub(crate) fn flash_fwd<T: Float>(d: &Dims, scale: f64, q_offset: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+pub(crate) fn flash_fwd<T: Float>(
+    d: &Dims,
+    scale: f64,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+) {
     flash_fwd_at(simd::BEST, d, scale, q_offset, q, k, v, out, lse)
 }
 
 /// `flash_fwd` with the instruction-set level capped at `isa` (see `simd::BEST`).
-fn flash_fwd_at<T: Float>(isa: u8, d: &Dims, scale: f64, q_offset: usize, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: &mut [T]) {
+fn flash_fwd_at<T: Float>(
+    isa: u8,
+    d: &Dims,
+    scale: f64,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+) {
     if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
         return;
     }
@@ -415,7 +434,17 @@ pub(crate) struct BwdIn<'a, T> {
 /// `s0 .. s0 + nb`: `st[i, j] = exp(scale q_i . k_j - lse_i)` for causally visible `j`, else 0;
 /// then `dpt[i, j] = scale * p_ij * (dout_i . v_j - delta_i)` (= dS, the score gradient).
 #[inline(always)]
-fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize, s0: usize, nb: usize, st: &mut [T], dpt: &mut [T]) {
+fn bwd_tile<T: Float>(
+    x: &BwdIn<T>,
+    bh: usize,
+    t0: usize,
+    rows: usize,
+    kv: usize,
+    s0: usize,
+    nb: usize,
+    st: &mut [T],
+    dpt: &mut [T],
+) {
     let d = &x.d;
     let (dk, dv) = (d.dk, d.dv);
     let r0 = bh * d.t + t0;
@@ -445,7 +474,16 @@ fn bwd_tile<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, rows: usize, kv: usize
 /// `dvb` `[nb, dv]` over every query head of the group and every query row that sees the block:
 /// `dV += P^T dO`, `dK += dS^T Q`.
 #[inline(always)]
-fn bwd_kv_task<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+fn bwd_kv_task<T: Float>(
+    x: &BwdIn<T>,
+    b: usize,
+    g: usize,
+    s0: usize,
+    nb: usize,
+    dkb: &mut [T],
+    dvb: &mut [T],
+    sc: &mut Scratch<T>,
+) {
     let d = &x.d;
     let (dk, dv) = (d.dk, d.dv);
     dkb.fill(T::ZERO);
@@ -561,7 +599,9 @@ fn flash_bwd_at<T: Float>(
             tasks.push((bg / d.hk, bg % d.hk, blk * BC, nb, dkb, dvb));
         }
     }
-    tasks.into_par_iter().for_each_init(|| Scratch::new(d), |sc, (b, g, s0, nb, dkb, dvb)| kv_kernel(&x, b, g, s0, nb, dkb, dvb, sc));
+    tasks
+        .into_par_iter()
+        .for_each_init(|| Scratch::new(d), |sc, (b, g, s0, nb, dkb, dvb)| kv_kernel(&x, b, g, s0, nb, dkb, dvb, sc));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -570,8 +610,7 @@ fn flash_bwd_at<T: Float>(
 mod simd {
     use super::*;
 
-    pub(super) type FwdFn<T> =
-        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type FwdFn<T> = fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
 
@@ -580,14 +619,31 @@ mod simd {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
             unsafe fn $fwd<T: Float>(
-                d: &Dims, scale: T, qo: usize, t0: usize, qh: &[T], kh: &[T], vh: &[T],
-                out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>,
+                d: &Dims,
+                scale: T,
+                qo: usize,
+                t0: usize,
+                qh: &[T],
+                kh: &[T],
+                vh: &[T],
+                out: &mut [T],
+                lse: &mut [T],
+                sc: &mut Scratch<T>,
             ) {
                 fwd_task(d, scale, qo, t0, qh, kh, vh, out, lse, sc)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $kv<T: Float>(x: &BwdIn<T>, b: usize, g: usize, s0: usize, nb: usize, dkb: &mut [T], dvb: &mut [T], sc: &mut Scratch<T>) {
+            unsafe fn $kv<T: Float>(
+                x: &BwdIn<T>,
+                b: usize,
+                g: usize,
+                s0: usize,
+                nb: usize,
+                dkb: &mut [T],
+                dvb: &mut [T],
+                sc: &mut Scratch<T>,
+            ) {
                 bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc)
             }
             #[cfg(target_arch = "x86_64")]
@@ -644,7 +700,10 @@ mod simd {
                 |x, bh, t0, dqb, sc| unsafe { q_avx2(x, bh, t0, dqb, sc) },
             );
         }
-        (|x, b, g, s0, nb, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc), |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc))
+        (
+            |x, b, g, s0, nb, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc),
+            |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc),
+        )
     }
 }
 

@@ -36,7 +36,11 @@ impl Float for f32 {
     }
     #[inline(always)]
     fn maxf(self, o: Self) -> Self {
-        if o > self { o } else { self }
+        if o > self {
+            o
+        } else {
+            self
+        }
     }
     #[inline(always)]
     fn exp_inplace(xs: &mut [Self]) {
@@ -64,7 +68,11 @@ impl Float for f64 {
     }
     #[inline(always)]
     fn maxf(self, o: Self) -> Self {
-        if o > self { o } else { self }
+        if o > self {
+            o
+        } else {
+            self
+        }
     }
     #[inline(always)]
     fn exp_inplace(xs: &mut [Self]) {
@@ -89,18 +97,20 @@ pub(crate) fn fast_exp_f32(x: f32) -> f32 {
     let n = t - MAGIC;
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32); // == n as i32
     let r = (xc - n * LN2_HI) - n * LN2_LO; // |r| <= ~0.347
-    // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35).
+                                            // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35).
     let p = 1.0
         + r * (1.0
             + r * (0.5
-                + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0
-                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     // wrapping ops: overflow checks (dev/test profiles) would stop the loop from vectorising.
     let scale = f32::from_bits((ni.wrapping_add(127) as u32).wrapping_shl(23));
     let v = p * scale;
     let v = if x < -87.0 { 0.0 } else { v };
-    if x.is_nan() { x } else { v }
+    if x.is_nan() {
+        x
+    } else {
+        v
+    }
 }
 
 /// Maximum of a slice (`-inf` when empty), over 8 lanes so it vectorises.

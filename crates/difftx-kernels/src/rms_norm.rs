@@ -70,24 +70,21 @@ pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n
         return;
     }
     let eps = T::from_f64(eps);
-    y.par_chunks_mut(n)
-        .zip(x.par_chunks(n))
-        .with_min_len(min_rows(n, 8192))
-        .for_each(|(yr, xr)| {
-            let r = inv_rms(xr, eps);
-            match gain {
-                Some(g) => {
-                    for ((o, &v), &gv) in yr.iter_mut().zip(xr).zip(g) {
-                        *o = v * r * gv;
-                    }
-                }
-                None => {
-                    for (o, &v) in yr.iter_mut().zip(xr) {
-                        *o = v * r;
-                    }
+    y.par_chunks_mut(n).zip(x.par_chunks(n)).with_min_len(min_rows(n, 8192)).for_each(|(yr, xr)| {
+        let r = inv_rms(xr, eps);
+        match gain {
+            Some(g) => {
+                for ((o, &v), &gv) in yr.iter_mut().zip(xr).zip(g) {
+                    *o = v * r * gv;
                 }
             }
-        });
+            None => {
+                for (o, &v) in yr.iter_mut().zip(xr) {
+                    *o = v * r;
+                }
+            }
+        }
+    });
 }
 
 /// Backward kernel: writes `dx` and returns `dgain` (summed over rows) when `gain` is given.
@@ -129,9 +126,7 @@ pub(crate) fn rms_norm_bwd<T: Float>(
                 c = c * r * inv_n;
                 match (gain, dg.as_mut()) {
                     (Some(g), Some(dg)) => {
-                        for ((((o, &xv), &gv), &w), d) in
-                            dxr.iter_mut().zip(xr).zip(gr).zip(g).zip(dg.iter_mut())
-                        {
+                        for ((((o, &xv), &gv), &w), d) in dxr.iter_mut().zip(xr).zip(gr).zip(g).zip(dg.iter_mut()) {
                             let u = xv * r;
                             *o = r * (gv * w - u * c);
                             *d += gv * u;
@@ -178,12 +173,7 @@ fn fwd_typed<T: Float>(
     Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
 }
 
-fn bwd_typed<T: Float>(
-    x: &Tensor,
-    gain: Option<&Tensor>,
-    grad: &Tensor,
-    eps: f64,
-) -> Result<(Tensor, Option<Tensor>)> {
+fn bwd_typed<T: Float>(x: &Tensor, gain: Option<&Tensor>, grad: &Tensor, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
     let (_, n) = rows_cols(x.dims())?;
     let run = |g: Option<&[T]>| -> Result<(Vec<T>, Option<Vec<T>>)> {
         with_slice::<T, _>(x, |xs| {
@@ -235,13 +225,7 @@ impl CustomOp2 for RmsNorm {
         "difftx-rms-norm-gain"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         match s1.dtype() {
             DType::F32 => fwd_typed::<f32>(s1, l1, Some((s2, l2)), self.eps),
             DType::F64 => fwd_typed::<f64>(s1, l1, Some((s2, l2)), self.eps),

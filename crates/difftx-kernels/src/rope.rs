@@ -33,7 +33,12 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: 
     if cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
         bail!("difftx_kernels::rope: table dtype differs from x dtype {:?}", x.dtype());
     }
-    let op = Rope { cos: cos.narrow(0, offset, t)?.contiguous()?, sin: sin.narrow(0, offset, t)?.contiguous()?, interleaved, inverse: false };
+    let op = Rope {
+        cos: cos.narrow(0, offset, t)?.contiguous()?,
+        sin: sin.narrow(0, offset, t)?.contiguous()?,
+        interleaved,
+        inverse: false,
+    };
     x.contiguous()?.apply_op1(op)
 }
 
@@ -47,18 +52,23 @@ struct Rope {
 }
 
 /// The kernel: x, y [B, T, H, d]; cos, sin [T, half].
-pub(crate) fn rope_kernel<T: Float>(x: &[T], y: &mut [T], cos: &[T], sin: &[T], dims: (usize, usize, usize, usize), interleaved: bool, inverse: bool) {
+pub(crate) fn rope_kernel<T: Float>(
+    x: &[T],
+    y: &mut [T],
+    cos: &[T],
+    sin: &[T],
+    dims: (usize, usize, usize, usize),
+    interleaved: bool,
+    inverse: bool,
+) {
     let (_, t, h, d) = dims;
     let half = d / 2;
     if d == 0 || t == 0 || h == 0 {
         return;
     }
     let row = h * d; // one (b, t) position
-    y.par_chunks_mut(row)
-        .zip(x.par_chunks(row))
-        .enumerate()
-        .with_min_len(min_rows(row, 8192))
-        .for_each(|(bt, (yr, xr))| {
+    y.par_chunks_mut(row).zip(x.par_chunks(row)).enumerate().with_min_len(min_rows(row, 8192)).for_each(
+        |(bt, (yr, xr))| {
             let tt = bt % t;
             let c = &cos[tt * half..(tt + 1) * half];
             let s = &sin[tt * half..(tt + 1) * half];
@@ -80,17 +90,20 @@ pub(crate) fn rope_kernel<T: Float>(x: &[T], y: &mut [T], cos: &[T], sin: &[T], 
                     }
                 }
             }
-        });
+        },
+    );
 }
 
 fn fwd_typed<T: Float>(op: &Rope, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
     let x = storage_slice::<T>(s, l)?;
     let dims = l.shape().dims4()?;
     let mut y = vec![T::ZERO; x.len()];
-    with_slice::<T, _>(&op.cos, |c| with_slice::<T, _>(&op.sin, |sn| {
-        rope_kernel(x, &mut y, c, sn, dims, op.interleaved, op.inverse);
-        Ok(())
-    }))?;
+    with_slice::<T, _>(&op.cos, |c| {
+        with_slice::<T, _>(&op.sin, |sn| {
+            rope_kernel(x, &mut y, c, sn, dims, op.interleaved, op.inverse);
+            Ok(())
+        })
+    })?;
     Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
 }
 
@@ -108,7 +121,12 @@ impl CustomOp1 for Rope {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let inv = Rope { cos: self.cos.clone(), sin: self.sin.clone(), interleaved: self.interleaved, inverse: !self.inverse };
+        let inv = Rope {
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            interleaved: self.interleaved,
+            inverse: !self.inverse,
+        };
         let g = grad_res.to_dtype(arg.dtype())?.contiguous()?;
         Ok(Some(g.apply_op1_no_bwd(&inv)?))
     }

@@ -30,21 +30,18 @@ pub(crate) fn softmax_fwd<T: Float>(x: &[T], y: &mut [T], n: usize) {
     if n == 0 {
         return;
     }
-    y.par_chunks_mut(n)
-        .zip(x.par_chunks(n))
-        .with_min_len(min_rows(n, 8192))
-        .for_each(|(yr, xr)| {
-            let m = max_slice(xr, T::NEG_INF);
-            for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = v - m;
-            }
-            T::exp_inplace(yr);
-            let s = sum_slice(yr);
-            let inv = T::ONE / s;
-            for o in yr.iter_mut() {
-                *o *= inv;
-            }
-        });
+    y.par_chunks_mut(n).zip(x.par_chunks(n)).with_min_len(min_rows(n, 8192)).for_each(|(yr, xr)| {
+        let m = max_slice(xr, T::NEG_INF);
+        for (o, &v) in yr.iter_mut().zip(xr) {
+            *o = v - m;
+        }
+        T::exp_inplace(yr);
+        let s = sum_slice(yr);
+        let inv = T::ONE / s;
+        for o in yr.iter_mut() {
+            *o *= inv;
+        }
+    });
 }
 
 /// Backward kernel: `dx[r, :] = y[r, :] * (dy[r, :] - <dy[r, :], y[r, :]>)`.
@@ -52,10 +49,8 @@ pub(crate) fn softmax_bwd<T: Float>(y: &[T], dy: &[T], dx: &mut [T], n: usize) {
     if n == 0 {
         return;
     }
-    dx.par_chunks_mut(n)
-        .zip(y.par_chunks(n).zip(dy.par_chunks(n)))
-        .with_min_len(min_rows(n, 8192))
-        .for_each(|(dxr, (yr, gr))| {
+    dx.par_chunks_mut(n).zip(y.par_chunks(n).zip(dy.par_chunks(n))).with_min_len(min_rows(n, 8192)).for_each(
+        |(dxr, (yr, gr))| {
             let mut dot = T::ZERO;
             for (&a, &b) in yr.iter().zip(gr) {
                 dot += a * b;
@@ -63,7 +58,8 @@ pub(crate) fn softmax_bwd<T: Float>(y: &[T], dy: &[T], dx: &mut [T], n: usize) {
             for ((o, &a), &b) in dxr.iter_mut().zip(yr).zip(gr) {
                 *o = a * (b - dot);
             }
-        });
+        },
+    );
 }
 
 fn fwd_typed<T: Float>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {

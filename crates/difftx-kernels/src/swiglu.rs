@@ -20,7 +20,13 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         dt => bail!("difftx_kernels::swiglu: unsupported dtype {dt:?} (f32, f64 only)"),
     }
     if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
-        bail!("difftx_kernels::swiglu: gate {:?} {:?} and up {:?} {:?} differ", gate.dims(), gate.dtype(), up.dims(), up.dtype());
+        bail!(
+            "difftx_kernels::swiglu: gate {:?} {:?} and up {:?} {:?} differ",
+            gate.dims(),
+            gate.dtype(),
+            up.dims(),
+            up.dtype()
+        );
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }
@@ -87,7 +93,13 @@ impl CustomOp2 for SwiGlu {
         }
     }
 
-    fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dh = grad_res.to_dtype(g.dtype())?;
         let (dg, du) = match g.dtype() {
             DType::F32 => bwd_typed::<f32>(g, u, &dh)?,

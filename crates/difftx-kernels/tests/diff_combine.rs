@@ -10,7 +10,9 @@ fn forward_and_backward_match_composed_ops() {
         for (i, dims) in [vec![1usize], vec![2, 3, 5, 6], vec![3, 9001]].into_iter().enumerate() {
             let o1 = Var::from_tensor(&rand_t(&dims, 1 + i as u64, 1.0, dt).unwrap()).unwrap();
             let o2 = Var::from_tensor(&rand_t(&dims, 11 + i as u64, 1.0, dt).unwrap()).unwrap();
-            let lam = Var::from_tensor(&Tensor::new(&[0.37f64 - i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let lam =
+                Var::from_tensor(&Tensor::new(&[0.37f64 - i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap())
+                    .unwrap();
             let w = rand_t(&dims, 21 + i as u64, 1.0, dt).unwrap();
             let zf = difftx_kernels::diff_combine(o1.as_tensor(), o2.as_tensor(), lam.as_tensor()).unwrap();
             let zr = o1.as_tensor().broadcast_sub(&o2.as_tensor().broadcast_mul(lam.as_tensor()).unwrap()).unwrap();
@@ -32,7 +34,9 @@ fn backward_matches_finite_differences_f64() {
     let (a0, b0) = (rand_t(&dims, 4, 1.0, DType::F64).unwrap(), rand_t(&dims, 5, 1.0, DType::F64).unwrap());
     let l0 = Tensor::new(&[0.6f64], &Device::Cpu).unwrap();
     let w = rand_t(&dims, 6, 1.0, DType::F64).unwrap();
-    let loss = |a: &Tensor, b: &Tensor, l: &Tensor| -> Result<f64> { (difftx_kernels::diff_combine(a, b, l)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>() };
+    let loss = |a: &Tensor, b: &Tensor, l: &Tensor| -> Result<f64> {
+        (difftx_kernels::diff_combine(a, b, l)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+    };
     let (a, b, l) = (Var::from_tensor(&a0).unwrap(), Var::from_tensor(&b0).unwrap(), Var::from_tensor(&l0).unwrap());
     let z = difftx_kernels::diff_combine(a.as_tensor(), b.as_tensor(), l.as_tensor()).unwrap();
     let g = (z.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();

@@ -12,9 +12,8 @@ fn attn_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize) -> 
     let k = k.unsqueeze(2)?.broadcast_as((b, hk, rep, s, dk))?.reshape((b, hq, s, dk))?;
     let v = v.unsqueeze(2)?.broadcast_as((b, hk, rep, s, dv))?.reshape((b, hq, s, dv))?;
     let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
-    let mask: Vec<f64> = (0..t)
-        .flat_map(|i| (0..s).map(move |j| if j <= i + q_offset { 0.0 } else { f64::NEG_INFINITY }))
-        .collect();
+    let mask: Vec<f64> =
+        (0..t).flat_map(|i| (0..s).map(move |j| if j <= i + q_offset { 0.0 } else { f64::NEG_INFINITY })).collect();
     let mask = Tensor::from_vec(mask, (t, s), &Device::Cpu)?.to_dtype(q.dtype())?;
     let scores = scores.broadcast_add(&mask)?;
     let m = scores.max_keepdim(D::Minus1)?.detach();
@@ -42,15 +41,15 @@ const fn c(b: usize, hq: usize, hk: usize, t: usize, s: usize, dk: usize, dv: us
 }
 
 const CASES: &[Case] = &[
-    c(2, 6, 2, 77, 77, 16, 32, 0, 1.0),     // T not a multiple of the tile, GQA 3, dv = 2 dk
-    c(1, 4, 1, 130, 130, 8, 8, 0, 1.0),     // GQA 4 (MQA), three key blocks
-    c(1, 4, 2, 37, 100, 16, 16, 63, 1.0),   // KV cache: q_offset > 0, T < S
-    c(2, 4, 1, 1, 70, 32, 64, 69, 1.0),     // decode T = 1 against a cache
-    c(1, 2, 2, 3, 9, 5, 7, 6, 1.0),         // few rows (dot-product path), odd head dims
-    c(1, 2, 1, 5, 5, 3, 5, 0, 1.0),         // tiny
-    c(1, 2, 2, 200, 200, 32, 64, 0, 2.5),   // large scores: online-softmax rescaling matters
-    c(1, 3, 3, 65, 65, 24, 12, 0, 1.0),     // dv < dk
-    c(1, 4, 2, 300, 300, 8, 16, 0, 1.0),    // three query/key tiles of 128, last one partial
+    c(2, 6, 2, 77, 77, 16, 32, 0, 1.0),   // T not a multiple of the tile, GQA 3, dv = 2 dk
+    c(1, 4, 1, 130, 130, 8, 8, 0, 1.0),   // GQA 4 (MQA), three key blocks
+    c(1, 4, 2, 37, 100, 16, 16, 63, 1.0), // KV cache: q_offset > 0, T < S
+    c(2, 4, 1, 1, 70, 32, 64, 69, 1.0),   // decode T = 1 against a cache
+    c(1, 2, 2, 3, 9, 5, 7, 6, 1.0),       // few rows (dot-product path), odd head dims
+    c(1, 2, 1, 5, 5, 3, 5, 0, 1.0),       // tiny
+    c(1, 2, 2, 200, 200, 32, 64, 0, 2.5), // large scores: online-softmax rescaling matters
+    c(1, 3, 3, 65, 65, 24, 12, 0, 1.0),   // dv < dk
+    c(1, 4, 2, 300, 300, 8, 16, 0, 1.0),  // three query/key tiles of 128, last one partial
     c(1, 2, 1, 150, 290, 16, 32, 140, 1.0), // cache offset not aligned to tiles, T > tile
 ];
 
@@ -87,7 +86,8 @@ fn backward_matches_naive() -> Result<()> {
         let (q, k, v) = inputs(cs, 1000 + 100 * i as u64, DType::F64)?;
         let w = rand_t(&[cs.b, cs.hq, cs.t, cs.dv], 7 + i as u64, 1.0, DType::F64)?;
         let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-        let gr = (attn_ref(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)? * &w)?.sum_all()?.backward()?;
+        let gr =
+            (attn_ref(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)? * &w)?.sum_all()?.backward()?;
         let want: Vec<Tensor> = [&qv, &kv, &vv].iter().map(|x| gr.get(x.as_tensor()).unwrap().clone()).collect();
         for dt in [DType::F64, DType::F32] {
             let (qv, kv, vv) = (
@@ -116,7 +116,9 @@ fn backward_finite_differences_f64() -> Result<()> {
         let (q, k, v) = inputs(&cs, 77, DType::F64)?;
         let w = rand_t(&[cs.b, cs.hq, cs.t, cs.dv], 78, 1.0, DType::F64)?;
         let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-        let gf = (flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)? * &w)?.sum_all()?.backward()?;
+        let gf = (flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)? * &w)?
+            .sum_all()?
+            .backward()?;
         let loss = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<f64> {
             (flash_attention(q, k, v, scale, cs.off)? * &w)?.sum_all()?.to_scalar()
         };

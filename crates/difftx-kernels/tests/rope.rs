@@ -6,9 +6,13 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use common::{finite_diff, flat, max_rel_vec, rand_t, rel_err};
 
 fn tables(l: usize, half: usize, dt: DType) -> Result<(Tensor, Tensor)> {
-    let ang: Vec<f64> = (0..l).flat_map(|p| (0..half).map(move |i| p as f64 * 10000f64.powf(-((2 * i) as f64) / (2 * half) as f64))).collect();
-    let cos = Tensor::from_vec(ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
-    let sin = Tensor::from_vec(ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
+    let ang: Vec<f64> = (0..l)
+        .flat_map(|p| (0..half).map(move |i| p as f64 * 10000f64.powf(-((2 * i) as f64) / (2 * half) as f64)))
+        .collect();
+    let cos =
+        Tensor::from_vec(ang.iter().map(|a| a.cos()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
+    let sin =
+        Tensor::from_vec(ang.iter().map(|a| a.sin()).collect::<Vec<_>>(), (l, half), &Device::Cpu)?.to_dtype(dt)?;
     Ok((cos, sin))
 }
 
@@ -36,7 +40,8 @@ fn rope_ref(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: 
     }
 }
 
-const SHAPES: [(usize, usize, usize, usize, usize); 4] = [(1, 1, 1, 2, 0), (2, 5, 3, 6, 3), (3, 7, 2, 10, 1), (1, 33, 5, 32, 0)];
+const SHAPES: [(usize, usize, usize, usize, usize); 4] =
+    [(1, 1, 1, 2, 0), (2, 5, 3, 6, 3), (3, 7, 2, 10, 1), (1, 33, 5, 32, 0)];
 
 #[test]
 fn forward_and_backward_match_composed_ops() {

@@ -45,7 +45,9 @@ fn backward_matches_finite_differences_f64() {
     let (g, u) = (Var::from_tensor(&g0).unwrap(), Var::from_tensor(&u0).unwrap());
     let h = difftx_kernels::swiglu(g.as_tensor(), u.as_tensor()).unwrap();
     let grads = (h.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let loss = |g: &Tensor, u: &Tensor| -> Result<f64> { (difftx_kernels::swiglu(g, u)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>() };
+    let loss = |g: &Tensor, u: &Tensor| -> Result<f64> {
+        (difftx_kernels::swiglu(g, u)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+    };
     let ng = finite_diff(&g0, |g| loss(g, &u0), 1e-6).unwrap();
     let nu = finite_diff(&u0, |u| loss(&g0, u), 1e-6).unwrap();
     assert!(max_rel_vec(&flat(grads.get(g.as_tensor()).unwrap()), &ng) < 1e-7);

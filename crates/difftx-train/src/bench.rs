@@ -116,7 +116,15 @@ struct Phases {
 
 /// One training step exactly as `trainer::run` does it with grad_accum 1: forward, loss,
 /// backward, global norm, clip scaling, AdamW. Returns the loss.
-fn train_step(model: &Model, vars: &[(String, Var)], opt: &mut AdamW, xs: &Tensor, ys: &Tensor, lr: f64, ph: &mut Phases) -> Result<f64> {
+fn train_step(
+    model: &Model,
+    vars: &[(String, Var)],
+    opt: &mut AdamW,
+    xs: &Tensor,
+    ys: &Tensor,
+    lr: f64,
+    ph: &mut Phases,
+) -> Result<f64> {
     let t0 = Instant::now();
     let loss = Model::loss(&model.forward(xs, None)?, ys)?;
     let l = loss.to_scalar::<f32>()? as f64;
@@ -159,7 +167,8 @@ fn bench_config(opts: &BenchOptions, family: Family) -> Result<ModelConfig> {
 
 fn build(cfg: &ModelConfig, seed: u64) -> Result<(Model, Vec<(String, Var)>)> {
     let weights = init_weights(cfg, seed, DType::F32, &Device::Cpu)?;
-    let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| Ok((n.clone(), Var::from_tensor(t)?))).collect::<Result<_>>()?;
+    let vars: Vec<(String, Var)> =
+        weights.iter().map(|(n, t)| Ok((n.clone(), Var::from_tensor(t)?))).collect::<Result<_>>()?;
     let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
     Ok((Model::from_weights(cfg, &map)?, vars))
 }
@@ -234,8 +243,14 @@ fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
 pub fn rss_mib() -> Result<(f64, f64)> {
     let status = std::fs::read_to_string("/proc/self/status").context("cannot read /proc/self/status")?;
     let field = |name: &str| -> Result<f64> {
-        let line = status.lines().find(|l| l.starts_with(name)).with_context(|| format!("no {name} in /proc/self/status"))?;
-        let kb: f64 = line[name.len()..].trim().trim_end_matches("kB").trim().parse().with_context(|| format!("bad line '{line}'"))?;
+        let line =
+            status.lines().find(|l| l.starts_with(name)).with_context(|| format!("no {name} in /proc/self/status"))?;
+        let kb: f64 = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .with_context(|| format!("bad line '{line}'"))?;
         Ok(kb / 1024.0)
     };
     Ok((field("VmHWM:")?, field("VmRSS:")?))

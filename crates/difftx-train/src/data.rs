@@ -57,20 +57,15 @@ fn has_json_extension(path: &Path) -> bool {
 }
 
 fn collect_txt_files(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
-    let entries =
-        fs::read_dir(dir).with_context(|| format!("could not list folder {}", dir.display()))?;
+    let entries = fs::read_dir(dir).with_context(|| format!("could not list folder {}", dir.display()))?;
     for entry in entries {
         let entry = entry.with_context(|| format!("could not list folder {}", dir.display()))?;
         let p = entry.path();
-        let ty = entry
-            .file_type()
-            .with_context(|| format!("could not inspect {}", p.display()))?;
+        let ty = entry.file_type().with_context(|| format!("could not inspect {}", p.display()))?;
         // Symlinked folders are not followed (no cycles); symlinked files are read.
         if ty.is_dir() {
             collect_txt_files(&p, out)?;
-        } else if p.is_file()
-            && p.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("txt"))
-        {
+        } else if p.is_file() && p.extension().and_then(|e| e.to_str()).is_some_and(|e| e.eq_ignore_ascii_case("txt")) {
             out.push(p);
         }
     }
@@ -96,9 +91,8 @@ fn read_jsonl(path: &Path, field: &str) -> anyhow::Result<Vec<String>> {
         if line.trim().is_empty() {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            anyhow::anyhow!("{}:{line_no}: not a JSON object ({e})", path.display())
-        })?;
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("{}:{line_no}: not a JSON object ({e})", path.display()))?;
         match value.get(field) {
             Some(serde_json::Value::String(s)) => texts.push(s.clone()),
             Some(_) => bail!("{}:{line_no}: field \"{field}\" is not a string", path.display()),
@@ -139,12 +133,7 @@ impl TokenDataset {
     ///
     /// Errors if there are fewer than `2 * (seq_len + 1)` tokens, if `seq_len` is 0, or if
     /// `val_fraction` is not in `[0, 1)`.
-    pub fn build(
-        texts: &[String],
-        tok: &Tokenizer,
-        seq_len: usize,
-        val_fraction: f64,
-    ) -> anyhow::Result<Self> {
+    pub fn build(texts: &[String], tok: &Tokenizer, seq_len: usize, val_fraction: f64) -> anyhow::Result<Self> {
         if seq_len == 0 {
             bail!("sequence length must be at least 1");
         }
@@ -175,11 +164,8 @@ impl TokenDataset {
         let val_len = ((n as f64 * val_fraction).ceil() as usize).clamp(window, n - window);
         let val = tokens.split_off(n - val_len);
         let train_len = tokens.len();
-        let doc_starts = docs
-            .into_iter()
-            .flat_map(|d| d.step_by(seq_len))
-            .filter(|&s| s + window <= train_len)
-            .collect();
+        let doc_starts =
+            docs.into_iter().flat_map(|d| d.step_by(seq_len)).filter(|&s| s + window <= train_len).collect();
         Ok(TokenDataset { train: tokens, val, doc_starts })
     }
 
@@ -189,12 +175,7 @@ impl TokenDataset {
     ///
     /// Panics if the training stream is shorter than `seq_len + 1` (impossible for a
     /// dataset built with the same `seq_len`).
-    pub fn sample_train_batch(
-        &self,
-        batch: usize,
-        seq_len: usize,
-        rng: &mut impl rand::Rng,
-    ) -> (Vec<u32>, Vec<u32>) {
+    pub fn sample_train_batch(&self, batch: usize, seq_len: usize, rng: &mut impl rand::Rng) -> (Vec<u32>, Vec<u32>) {
         assert!(
             seq_len > 0 && self.train.len() > seq_len,
             "training stream has {} tokens, too short for sequence length {seq_len}",
@@ -240,12 +221,7 @@ impl TokenDataset {
     /// a target exactly once), grouped `batch` to a batch; the last batch may have fewer rows.
     /// At most `max_batches` batches. Each item is `(inputs, targets, rows)`, each of the
     /// vectors `rows * seq_len` long.
-    pub fn val_batches(
-        &self,
-        batch: usize,
-        seq_len: usize,
-        max_batches: usize,
-    ) -> Vec<(Vec<u32>, Vec<u32>, usize)> {
+    pub fn val_batches(&self, batch: usize, seq_len: usize, max_batches: usize) -> Vec<(Vec<u32>, Vec<u32>, usize)> {
         if batch == 0 || seq_len == 0 || self.val.len() <= seq_len {
             return Vec::new();
         }
@@ -280,5 +256,7 @@ pub fn bundled_corpus() -> anyhow::Result<PathBuf> {
     if src.is_file() {
         return Ok(src);
     }
-    anyhow::bail!("the bundled corpus data/shakespeare.txt was not found (run from the repository root, or pass a text file)")
+    anyhow::bail!(
+        "the bundled corpus data/shakespeare.txt was not found (run from the repository root, or pass a text file)"
+    )
 }

@@ -93,7 +93,11 @@ pub fn evaluate_text(
         bail!("the text has {} tokens, shorter than one sequence of {}", tokens.len(), seq_len + 1);
     }
     let bytes_per_token = bytes as f64 / tokens.len() as f64;
-    let batches = TokenDataset { train: Vec::new(), val: tokens, doc_starts: Vec::new() }.val_batches(batch, seq_len, max_batches);
+    let batches = TokenDataset { train: Vec::new(), val: tokens, doc_starts: Vec::new() }.val_batches(
+        batch,
+        seq_len,
+        max_batches,
+    );
     let loss = mean_loss(model, &batches, seq_len)?;
     Ok(EvalReport {
         tokens_evaluated: batches.iter().map(|b| b.2 * seq_len).sum(),

@@ -83,7 +83,8 @@ struct StepScalars {
 fn adamw_slices<T: AdamFloat>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T], k: StepScalars) {
     use rayon::prelude::*;
     let c = |x: f64| T::of(x);
-    let (b1, b2, ob1, ob2, eps, lr, keep) = (c(k.beta1), c(k.beta2), c(1.0 - k.beta1), c(1.0 - k.beta2), c(k.eps), c(k.lr), c(k.keep));
+    let (b1, b2, ob1, ob2, eps, lr, keep) =
+        (c(k.beta1), c(k.beta2), c(1.0 - k.beta1), c(1.0 - k.beta2), c(k.eps), c(k.lr), c(k.keep));
     let (ibc1, ibc2) = (c(1.0 / k.bc1), c(1.0 / k.bc2));
     const CHUNK: usize = 1 << 14;
     theta
@@ -103,7 +104,13 @@ fn adamw_slices<T: AdamFloat>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T]
 
 /// f32 / f64 arithmetic the fused step needs.
 trait AdamFloat:
-    Copy + Send + Sync + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self>
+    Copy
+    + Send
+    + Sync
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
 {
     fn of(x: f64) -> Self;
     fn sqrt(self) -> Self;
@@ -149,8 +156,12 @@ impl candle_core::InplaceOp2 for AdamWOp<'_> {
         };
         let mut moments = self.moments.borrow_mut();
         match (s1, s2, &mut **moments) {
-            (CpuStorage::F32(th), CpuStorage::F32(g), Moments::F32 { m, v }) => adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k),
-            (CpuStorage::F64(th), CpuStorage::F64(g), Moments::F64 { m, v }) => adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k),
+            (CpuStorage::F32(th), CpuStorage::F32(g), Moments::F32 { m, v }) => {
+                adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k)
+            }
+            (CpuStorage::F64(th), CpuStorage::F64(g), Moments::F64 { m, v }) => {
+                adamw_slices(&mut th[a1..e1], &g[a2..e2], m, v, self.k)
+            }
             _ => candle_core::bail!("difftx-adamw: parameter, gradient and moments must share one dtype (f32 or f64)"),
         }
         Ok(())
@@ -172,7 +183,12 @@ impl AdamW {
                 if !t.is_contiguous() {
                     bail!("AdamW: parameter '{name}' is not contiguous");
                 }
-                Ok(Slot { name: name.clone(), var: var.clone(), moments: Moments::zeros(t.dtype(), t.elem_count())?, decay: t.rank() >= 2 })
+                Ok(Slot {
+                    name: name.clone(),
+                    var: var.clone(),
+                    moments: Moments::zeros(t.dtype(), t.elem_count())?,
+                    decay: t.rank() >= 2,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(AdamW { params, slots, step: 0 })
@@ -204,7 +220,7 @@ impl AdamW {
         Ok(())
     }
 
-/// Moments and step as named tensors (`m.NAME`, `v.NAME`, `step`).
+    /// Moments and step as named tensors (`m.NAME`, `v.NAME`, `step`).
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(2 * self.slots.len() + 1);
         for s in &self.slots {
@@ -234,7 +250,6 @@ impl AdamW {
         Ok(())
     }
 }
-
 
 /// Global L2 norm of all gradients (sums of squares in f64, in a fixed order: deterministic).
 pub fn grad_norm(grads: &candle_core::backprop::GradStore, vars: &[(String, Var)]) -> Result<f64> {
@@ -360,7 +375,12 @@ mod tests {
             let vars = vec![("w".to_string(), w.clone()), ("b".to_string(), b.clone())];
             let mut opt = AdamW::new(&vars, p).unwrap();
             let (mut rw, mut rb) = (w0.clone(), b0.clone());
-            let (mut mw, mut vw, mut mb, mut vb) = (w0.zeros_like().unwrap(), w0.zeros_like().unwrap(), b0.zeros_like().unwrap(), b0.zeros_like().unwrap());
+            let (mut mw, mut vw, mut mb, mut vb) = (
+                w0.zeros_like().unwrap(),
+                w0.zeros_like().unwrap(),
+                b0.zeros_like().unwrap(),
+                b0.zeros_like().unwrap(),
+            );
             for step in 1..=4 {
                 let cw = Tensor::randn(0f32, 1.0, (127, 131), &dev).unwrap().to_dtype(dt).unwrap();
                 let cb = Tensor::randn(0f32, 1.0, 7, &dev).unwrap().to_dtype(dt).unwrap();
@@ -376,7 +396,18 @@ mod tests {
                 (rb, mb, vb) = composed_step(&rb, &mb, &vb, &gb, (step, lr, false), p);
             }
             let tol = if dt == DType::F64 { 1e-12 } else { 2e-5 };
-            let err = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().max_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+            let err = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
             assert!(err(w.as_tensor(), &rw) < tol, "{dt:?} w: {}", err(w.as_tensor(), &rw));
             assert!(err(b.as_tensor(), &rb) < tol, "{dt:?} b: {}", err(b.as_tensor(), &rb));
             assert!(err(b.as_tensor(), &b0) > 0.01, "{dt:?}: the parameter did not move");
@@ -408,7 +439,9 @@ mod tests {
         let c = Tensor::new(&[[2.0f64, -1.0], [0.25, 4.0]], &dev).unwrap();
         let vars = vec![("w".to_string(), w.clone()), ("b".to_string(), b.clone())];
         let mut opt = AdamW::new(&vars, AdamWParams { eps: 0.0, ..Default::default() }).unwrap();
-        let loss = ((w.as_tensor() * &c).unwrap().sum_all().unwrap() + (b.as_tensor() * 3.0).unwrap().sum_all().unwrap()).unwrap();
+        let loss = ((w.as_tensor() * &c).unwrap().sum_all().unwrap()
+            + (b.as_tensor() * 3.0).unwrap().sum_all().unwrap())
+        .unwrap();
         let grads = loss.backward().unwrap();
         opt.step(&grads, 0.1).unwrap();
         let got = w.as_tensor().to_vec2::<f64>().unwrap();

@@ -64,7 +64,13 @@ pub struct TrainOptions {
 
 impl TrainOptions {
     pub fn schedule(&self) -> Schedule {
-        Schedule { peak: self.lr, warmup: self.warmup_steps, total: self.steps, min_ratio: self.min_lr_ratio, decay: self.decay }
+        Schedule {
+            peak: self.lr,
+            warmup: self.warmup_steps,
+            total: self.steps,
+            min_ratio: self.min_lr_ratio,
+            decay: self.decay,
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -131,7 +137,10 @@ fn evaluate(model: &Model, batches: &[crate::eval::Batch], seq_len: usize) -> Re
 }
 
 fn append_metric(path: &Path, value: serde_json::Value) -> Result<()> {
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
         .with_context(|| format!("cannot open {}", path.display()))?;
     writeln!(f, "{value}")?;
     Ok(())
@@ -191,10 +200,19 @@ fn save_checkpoint(
 }
 
 /// Starts a new run in `out_dir` (which must not hold a run already).
-pub fn train_new(out_dir: &Path, opts: &TrainOptions, tok: &Tokenizer, ds: &TokenDataset, ctl: &RunControl) -> Result<TrainSummary> {
+pub fn train_new(
+    out_dir: &Path,
+    opts: &TrainOptions,
+    tok: &Tokenizer,
+    ds: &TokenDataset,
+    ctl: &RunControl,
+) -> Result<TrainSummary> {
     opts.validate()?;
     if out_dir.join(TRAIN_CONFIG_FILE).exists() {
-        bail!("{} already holds a training run: use --resume to continue it, or choose another --out", out_dir.display());
+        bail!(
+            "{} already holds a training run: use --resume to continue it, or choose another --out",
+            out_dir.display()
+        );
     }
     if tok.vocab_size() > opts.model.vocab_size {
         bail!("tokenizer has {} tokens but the model's vocabulary is {}", tok.vocab_size(), opts.model.vocab_size);
@@ -224,7 +242,8 @@ pub fn train_resume(out_dir: &Path, tok: &Tokenizer, ds: &TokenDataset, ctl: &Ru
         bail!("checkpoint in {} does not match the run's model config (another family or shape)", dir.display());
     }
     let state: TrainerState = serde_json::from_str(
-        &std::fs::read_to_string(dir.join(TRAINER_STATE_FILE)).with_context(|| format!("{} lacks {TRAINER_STATE_FILE}", dir.display()))?,
+        &std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
+            .with_context(|| format!("{} lacks {TRAINER_STATE_FILE}", dir.display()))?,
     )?;
     let opt_state = checkpoint::read_safetensors(&dir.join(OPTIMIZER_FILE), &Device::Cpu)?;
     let mut ordered = Vec::new();
@@ -334,7 +353,10 @@ fn run(
         let norm = grad_norm(&grads, &vars)? / accum;
         if !norm.is_finite() {
             bar.abandon();
-            bail!("gradient norm became {norm} at step {step}: training stopped; the last good checkpoint is in {}", out_dir.join(RUN_CHECKPOINT).display());
+            bail!(
+                "gradient norm became {norm} at step {step}: training stopped; the last good checkpoint is in {}",
+                out_dir.join(RUN_CHECKPOINT).display()
+            );
         }
         let clip = if opts.grad_clip > 0.0 && norm > opts.grad_clip { opts.grad_clip / norm } else { 1.0 };
         let factor = clip / accum;
@@ -363,7 +385,10 @@ fn run(
         if state.step.is_multiple_of(opts.eval_every.max(1)) || state.step == opts.steps {
             let v = evaluate(&model, &val, opts.seq_len)?;
             state.last_val_loss = Some(v);
-            append_metric(&metrics, serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "val_loss": v}))?;
+            append_metric(
+                &metrics,
+                serde_json::json!({"step": state.step, "tokens": state.tokens_seen, "val_loss": v}),
+            )?;
             if !ctl.progress && ctl.overall.is_none() {
                 eprintln!("step {}/{} loss {loss:.4} val {v:.4} {tps:.0} tok/s", state.step, opts.steps);
             }

@@ -145,7 +145,11 @@ fn build_errors() {
 
 /// A dataset whose token ids are their positions, so windows are easy to check.
 fn counting(train: usize, val: usize) -> TokenDataset {
-    TokenDataset { train: (0..train as u32).collect(), val: (0..val as u32).map(|i| 10_000 + i).collect(), doc_starts: Vec::new() }
+    TokenDataset {
+        train: (0..train as u32).collect(),
+        val: (0..val as u32).map(|i| 10_000 + i).collect(),
+        doc_starts: Vec::new(),
+    }
 }
 
 #[test]
@@ -220,8 +224,7 @@ fn val_batches_are_deterministic_non_overlapping_windows() {
 fn end_to_end_jsonl_to_batches() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.jsonl");
-    let lines: Vec<String> =
-        (0..50).map(|i| format!("{{\"text\":\"verse {i} — ünïcode\"}}")).collect();
+    let lines: Vec<String> = (0..50).map(|i| format!("{{\"text\":\"verse {i} — ünïcode\"}}")).collect();
     fs::write(&p, lines.join("\n")).unwrap();
     let texts = load_texts(&p, "text").unwrap();
     assert_eq!(texts.len(), 50);

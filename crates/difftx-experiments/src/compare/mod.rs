@@ -253,9 +253,10 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
         bail!("compare: no families to train");
     }
     let budget = if quick { Budget::Steps(4) } else { opts.budget };
-    match budget {
-        Budget::Steps(s) if s < 2 => bail!("compare: a budget of {s} step(s) is too small to train (need at least 2)"),
-        _ => {}
+    if let Budget::Steps(s) = budget {
+        if s < 2 {
+            bail!("compare: a budget of {s} step(s) is too small to train (need at least 2)");
+        }
     }
     let (seq_len, batch_size) = if quick { (128, 2) } else { (opts.seq_len, opts.batch_size) };
     let base = ModelConfig::preset(&opts.preset, Family::Baseline).map_err(|e| anyhow::anyhow!("compare: {e}"))?;
@@ -269,7 +270,12 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
     mixture.doc_chars = seq_len;
     mixture.validate()?;
     let needle = if quick {
-        NeedleOptions { sweeps: vec![(1, 1), (2, 2), (6, 2)], depths: vec![0.0, 100.0], trials: 1, ..opts.needle.clone() }
+        NeedleOptions {
+            sweeps: vec![(1, 1), (2, 2), (6, 2)],
+            depths: vec![0.0, 100.0],
+            trials: 1,
+            ..opts.needle.clone()
+        }
     } else {
         opts.needle.clone()
     };
@@ -459,7 +465,13 @@ fn analyse(dir: &Path, s: &Settings) -> Result<Vec<(String, serde_json::Value)>>
 }
 
 /// Trains (or reuses) and analyses one planned run.
-fn execute(p: &Plan, s: &Settings, tok: &Tokenizer, ds: &TokenDataset, bar: &indicatif::ProgressBar) -> Result<RunResult> {
+fn execute(
+    p: &Plan,
+    s: &Settings,
+    tok: &Tokenizer,
+    ds: &TokenDataset,
+    bar: &indicatif::ProgressBar,
+) -> Result<RunResult> {
     if check_reusable(p)? {
         say(bar, format!("compare: reusing the finished run in {}", p.dir.display()));
         bar.inc(p.topts.steps.min(1_000_000) as u64);

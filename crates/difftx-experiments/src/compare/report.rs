@@ -166,8 +166,9 @@ pub fn param_efficiency(s: &Settings, runs: &[RunResult]) -> Vec<RatioResult> {
         .iter()
         .filter(|a| !a.is_baseline())
         .map(|arm| {
-            let ratios =
-                (0..s.seeds).map(|seed| param_ratio(&points(base, seed), &points(arm, seed)).unwrap_or(f64::NAN)).collect();
+            let ratios = (0..s.seeds)
+                .map(|seed| param_ratio(&points(base, seed), &points(arm, seed)).unwrap_or(f64::NAN))
+                .collect();
             judge_ratio(&arm.name, ratios)
         })
         .collect()
@@ -217,9 +218,12 @@ fn ablation(s: &Settings, runs: &[RunResult]) -> Option<(Summary, Option<f64>, V
 
 fn ratio_md(md: &mut String, title: &str, paper: &str, rows: &[RatioResult], what: &str) {
     md.push_str(&format!("## {title}\n\nPaper: {paper}.\n\n"));
-    md.push_str(&format!("| arm | {what} (mean ± 95% CI over seeds) | per seed | detectable | verdict |\n|---|---|---|---|---|\n"));
+    md.push_str(&format!(
+        "| arm | {what} (mean ± 95% CI over seeds) | per seed | detectable | verdict |\n|---|---|---|---|---|\n"
+    ));
     for r in rows {
-        let per: Vec<String> = r.ratios.iter().map(|x| if x.is_finite() { format!("{:.0}%", 100.0 * x) } else { "n/a".into() }).collect();
+        let per: Vec<String> =
+            r.ratios.iter().map(|x| if x.is_finite() { format!("{:.0}%", 100.0 * x) } else { "n/a".into() }).collect();
         let shown = match r.summary.half_width() {
             Some(h) => format!("{:.0}% ± {:.0}%", 100.0 * r.summary.mean, 100.0 * h),
             None if r.summary.n > 0 => format!("{:.0}%", 100.0 * r.summary.mean),
@@ -241,7 +245,10 @@ fn ratio_md(md: &mut String, title: &str, paper: &str, rows: &[RatioResult], wha
 /// baseline, by tokens (curves aligned by evaluation index).
 fn loss_bands(s: &Settings, runs: &[RunResult]) -> (Vec<Band>, Vec<Band>) {
     let curves = |arm: &Arm| -> Vec<Vec<(f64, f64)>> {
-        (0..s.seeds).filter_map(|seed| runs.iter().find(|r| r.main && r.arm == *arm && r.seed == seed)).map(|r| r.val_curve.clone()).collect()
+        (0..s.seeds)
+            .filter_map(|seed| runs.iter().find(|r| r.main && r.arm == *arm && r.seed == seed))
+            .map(|r| r.val_curve.clone())
+            .collect()
     };
     let band = |label: String, cs: &[Vec<(f64, f64)>], base: Option<&[Vec<(f64, f64)>]>| -> Band {
         let n = cs.iter().chain(base.into_iter().flatten()).map(|c| c.len()).min().unwrap_or(0);
@@ -319,7 +326,11 @@ fn draw_plots(out: &Path, s: &Settings, runs: &[RunResult]) -> Result<Vec<(&'sta
         let counts = &s.recall.pair_counts;
         let row: Vec<Option<f64>> = (0..counts.len())
             .map(|i| {
-                let xs: Vec<f64> = rs.iter().map(|r| r.value("recall", &format!("/by_pairs/{i}/accuracy"))).filter(|x| x.is_finite()).collect();
+                let xs: Vec<f64> = rs
+                    .iter()
+                    .map(|r| r.value("recall", &format!("/by_pairs/{i}/accuracy")))
+                    .filter(|x| x.is_finite())
+                    .collect();
                 if xs.is_empty() {
                     None
                 } else {
@@ -355,7 +366,9 @@ fn draw_plots(out: &Path, s: &Settings, runs: &[RunResult]) -> Result<Vec<(&'sta
                 .iter()
                 .enumerate()
                 .map(|(di, &d)| {
-                    let get = |k: &str| mean(&rs.iter().map(|r| r.value("attention", &format!("/depths/{di}/{k}"))).collect::<Vec<_>>());
+                    let get = |k: &str| {
+                        mean(&rs.iter().map(|r| r.value("attention", &format!("/depths/{di}/{k}"))).collect::<Vec<_>>())
+                    };
                     (d, get("answer_alloc"), get("noise_alloc"))
                 })
                 .collect();
@@ -374,16 +387,31 @@ fn draw_plots(out: &Path, s: &Settings, runs: &[RunResult]) -> Result<Vec<(&'sta
         .map(|arm| {
             let xs = arm_runs(runs, arm)
                 .flat_map(|r| {
-                    r.results.get("icl").and_then(|v| v["episodes"].as_array().cloned()).unwrap_or_default().into_iter().flat_map(|e| {
-                        e["order_accuracies"].as_array().cloned().unwrap_or_default().into_iter().filter_map(|x| x.as_f64())
-                    })
+                    r.results
+                        .get("icl")
+                        .and_then(|v| v["episodes"].as_array().cloned())
+                        .unwrap_or_default()
+                        .into_iter()
+                        .flat_map(|e| {
+                            e["order_accuracies"]
+                                .as_array()
+                                .cloned()
+                                .unwrap_or_default()
+                                .into_iter()
+                                .filter_map(|x| x.as_f64())
+                        })
                 })
                 .collect();
             (arm.name.clone(), xs)
         })
         .collect();
     let chance = if s.icl.data.is_none() { 1.0 / s.icl.classes.max(1) as f64 } else { 0.0 };
-    crate::icl::draw_spread(&out.join("icl_spread.png"), "in-context accuracy per demonstration order (all seeds, episodes)", &spread, chance)?;
+    crate::icl::draw_spread(
+        &out.join("icl_spread.png"),
+        "in-context accuracy per demonstration order (all seeds, episodes)",
+        &spread,
+        chance,
+    )?;
     drawn.push(("icl", "icl_spread.png"));
     if s.widths.len() > 1 {
         let series: Vec<EfficiencySeries> = s
@@ -404,7 +432,11 @@ fn draw_plots(out: &Path, s: &Settings, runs: &[RunResult]) -> Result<Vec<(&'sta
                 EfficiencySeries { label: arm.name.clone(), points, fit }
             })
             .collect();
-        crate::plot::draw_param_efficiency(&out.join("param_efficiency.png"), "validation loss vs parameters (mean and 95% CI over seeds, fit a + b·ln N)", &series)?;
+        crate::plot::draw_param_efficiency(
+            &out.join("param_efficiency.png"),
+            "validation loss vs parameters (mean and 95% CI over seeds, fit a + b·ln N)",
+            &series,
+        )?;
         drawn.push(("parameter efficiency", "param_efficiency.png"));
     }
     Ok(drawn)
@@ -425,7 +457,9 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
     let main_params: Vec<String> = s
         .arms
         .iter()
-        .filter_map(|a| runs.iter().find(|r| r.main && r.arm == *a).map(|r| format!("{} {}", a.name, fmt_count(r.params as f64))))
+        .filter_map(|a| {
+            runs.iter().find(|r| r.main && r.arm == *a).map(|r| format!("{} {}", a.name, fmt_count(r.params as f64)))
+        })
         .collect();
     let tokens_per_run = runs.iter().filter(|r| r.main).map(|r| r.value("train", "/tokens")).fold(f64::NAN, f64::max);
     md.push_str(&format!(
@@ -500,7 +534,11 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
     md.push('\n');
     for c in &results {
         let base = c.arms.iter().find(|a| a.vs_baseline.is_none() && a.verdict.is_none() && a.reason.is_none());
-        md.push_str(&format!("| {} | {} |", c.spec.title, base.map(|b| b.summary.display(3)).unwrap_or_else(|| "n/a".into())));
+        md.push_str(&format!(
+            "| {} | {} |",
+            c.spec.title,
+            base.map(|b| b.summary.display(3)).unwrap_or_else(|| "n/a".into())
+        ));
         for a in &others {
             let r = c.arms.iter().find(|x| x.arm == a.name);
             let d = r.and_then(|r| r.vs_baseline.as_ref()).map(|d| d.display(3)).unwrap_or_else(|| "n/a".into());
@@ -511,10 +549,22 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
     }
     md.push('\n');
     if !params.is_empty() {
-        ratio_md(&mut md, "Parameters to match the baseline's loss", claims::PAPER_PARAM_RATIO, &params, "parameters needed, % of the baseline's");
+        ratio_md(
+            &mut md,
+            "Parameters to match the baseline's loss",
+            claims::PAPER_PARAM_RATIO,
+            &params,
+            "parameters needed, % of the baseline's",
+        );
         md.push_str("Per seed, the baseline's final validation loss is fitted as a + b·ln(parameters) over the widths; each arm's losses are mapped to the baseline size with the same fitted loss, and the ratio is the geometric mean over widths of (arm parameters / that baseline size).\n\n");
     }
-    ratio_md(&mut md, "Tokens to reach the baseline's final loss", claims::PAPER_TOKEN_RATIO, &tokens, "tokens needed, % of the baseline's");
+    ratio_md(
+        &mut md,
+        "Tokens to reach the baseline's final loss",
+        claims::PAPER_TOKEN_RATIO,
+        &tokens,
+        "tokens needed, % of the baseline's",
+    );
     md.push_str("Per seed, from the validation curves at the preset's width (linear interpolation between evaluations): the tokens at which the arm first reaches the baseline's final loss, over the baseline's tokens; when it never does, the baseline's tokens to reach the arm's final loss give the ratio (> 100%).\n\n");
     if let Some((d, det, v)) = &abl {
         md.push_str(&format!(
