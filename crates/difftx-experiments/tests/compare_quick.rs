@@ -138,10 +138,10 @@ fn budgets_parse() {
     for bad in ["", "x", "-3m", "1.5", "0m", "ten"] {
         assert!(bad.parse::<Budget>().is_err(), "{bad}");
     }
-    // 30 s for 9 models is under 5 s each
+    // 15 s for 9 models, two at a time, is under 5 s each
     let dir = tempfile::tempdir().unwrap();
     let e =
-        run_compare(&CompareOptions { budget: Budget::Seconds(30.0), out: dir.path().into(), ..Default::default() })
+        run_compare(&CompareOptions { budget: Budget::Seconds(15.0), out: dir.path().into(), ..Default::default() })
             .unwrap_err();
     assert!(e.to_string().contains("too small"), "{e}");
 }

@@ -46,8 +46,8 @@ fn prompts_hold_the_needles_at_their_depth_and_fit() {
             }
         }
     }
-    // 6 needles and a question cannot fit into 20 tokens
-    assert!(needle_prompts(&tok, &clean, &fmt, 6, 2, 20, 0.5, &mut rng).unwrap().is_none());
+    // 6 needles and a question cannot fit into 10 tokens
+    assert!(needle_prompts(&tok, &clean, &fmt, 6, 2, 10, 0.5, &mut rng).unwrap().is_none());
 }
 
 #[test]

@@ -254,8 +254,8 @@ fn document_start_windows_begin_at_documents() {
     // documents of 5, 12 and 3 bytes, then a long tail document for validation
     let texts: Vec<String> = vec!["aaaaa".into(), "bbbbbbbbbbbb".into(), "ccc".into(), "d".repeat(60)];
     let ds = TokenDataset::build(&texts, &tok, 4, 0.3).unwrap();
-    // starts: 0; 6, 10, 14 (inside the 12-byte document every 4 tokens); 19; 23, 27, ... in "d"
-    assert_eq!(&ds.doc_starts[..5], &[0, 6, 10, 14, 19]);
+    // every 4 tokens inside each document: 0, 4 ("aaaaa"); 6, 10, 14 (12 b's); 19 ("ccc"); 23, ...
+    assert_eq!(&ds.doc_starts[..6], &[0, 4, 6, 10, 14, 19]);
     assert!(ds.doc_starts.iter().all(|&s| s + 5 <= ds.train.len()));
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     for _ in 0..20 {
