@@ -12,9 +12,10 @@ pub enum ClaimKind {
     /// An accuracy: judged only when the reference family is off the floor and the ceiling
     /// (the chance level is read from the instrument's `chance_accuracy`).
     Accuracy,
-    /// Judged only when the reference family's accuracy on `guard_pointer` of the same
-    /// instrument is informative (e.g. the order margin of an in-context task nobody can do).
-    GuardedBy(&'static str),
+    /// Judged only when the reference family's accuracy at (instrument, pointer) is informative:
+    /// the order margin of an in-context task nobody can do, or where attention goes in models
+    /// that do not retrieve, is no evidence either way.
+    GuardedBy(&'static str, &'static str),
     /// A continuous quantity, always judged.
     Continuous,
     /// A quantity that differs between families by construction (e.g. raw masses of a signed
@@ -125,7 +126,7 @@ pub fn claims(sweeps: &[(usize, usize)], recall_pairs: &[usize]) -> Vec<ClaimSpe
             "answer span: Transformer .03-.09, DIFF .27-.40 by depth (Table 3)",
             "/mean_answer_alloc",
             Higher,
-            Continuous,
+            GuardedBy("needle", "/mean_accuracy"),
         ),
         c(
             "attention",
@@ -134,7 +135,7 @@ pub fn claims(sweeps: &[(usize, usize)], recall_pairs: &[usize]) -> Vec<ClaimSpe
             "noise context: Transformer .49-.54, DIFF .01-.02 by depth (Table 3)",
             "/mean_noise_alloc",
             Lower,
-            Continuous,
+            GuardedBy("needle", "/mean_accuracy"),
         ),
         c(
             "attention",
@@ -143,7 +144,7 @@ pub fn claims(sweeps: &[(usize, usize)], recall_pairs: &[usize]) -> Vec<ClaimSpe
             "not reported per head; higher for DIFF expected from Table 3",
             "/best_head/answer_alloc",
             Higher,
-            Continuous,
+            GuardedBy("needle", "/mean_accuracy"),
         ),
         c(
             "attention",
@@ -199,7 +200,7 @@ pub fn claims(sweeps: &[(usize, usize)], recall_pairs: &[usize]) -> Vec<ClaimSpe
              9.0, Clinic-150 12.0 vs 6.0",
             "/margin",
             Lower,
-            GuardedBy("/mean_accuracy"),
+            GuardedBy("icl", "/mean_accuracy"),
         ),
         c(
             "outliers",

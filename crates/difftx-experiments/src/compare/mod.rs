@@ -228,6 +228,8 @@ pub struct RunResult {
     /// (tokens, train loss) and (tokens, validation loss)
     pub train_curve: Vec<(f64, f64)>,
     pub val_curve: Vec<(f64, f64)>,
+    /// Trained by an earlier invocation (its training time is not in this one's wall time).
+    pub reused: bool,
 }
 
 impl RunResult {
@@ -472,7 +474,8 @@ fn execute(
     ds: &TokenDataset,
     bar: &indicatif::ProgressBar,
 ) -> Result<RunResult> {
-    if check_reusable(p)? {
+    let reused = check_reusable(p)?;
+    if reused {
         say(bar, format!("compare: reusing the finished run in {}", p.dir.display()));
         bar.inc(p.topts.steps.min(1_000_000) as u64);
     } else {
@@ -505,6 +508,7 @@ fn execute(
         results,
         train_curve,
         val_curve,
+        reused,
     })
 }
 

@@ -62,16 +62,17 @@ fn verdict_text(a: &ArmResult, digits: usize) -> String {
 
 /// Judges one claim for every arm.
 pub fn judge_claim(spec: &ClaimSpec, arms: &[Arm], seeds: usize, runs: &[RunResult]) -> ClaimResult {
-    let per_seed = |arm: &Arm, pointer: &str| -> Vec<f64> {
+    let per_seed_of = |arm: &Arm, instrument: &str, pointer: &str| -> Vec<f64> {
         (0..seeds)
             .map(|s| {
                 runs.iter()
                     .find(|r| r.main && r.arm == *arm && r.seed == s)
-                    .map(|r| r.value(&spec.instrument, pointer))
+                    .map(|r| r.value(instrument, pointer))
                     .unwrap_or(f64::NAN)
             })
             .collect()
     };
+    let per_seed = |arm: &Arm, pointer: &str| per_seed_of(arm, &spec.instrument, pointer);
     let base_arm = arms.iter().find(|a| a.is_baseline());
     let base = base_arm.map(|a| per_seed(a, &spec.pointer));
     let chance = base_arm.map(|a| mean(&per_seed(a, "/chance_accuracy"))).filter(|c| c.is_finite()).unwrap_or(0.0);
@@ -80,9 +81,13 @@ pub fn judge_claim(spec: &ClaimSpec, arms: &[Arm], seeds: usize, runs: &[RunResu
         (None, _) => Some("no baseline was trained".into()),
         (Some(b), _) if summarize(b).n == 0 => Some("undefined: the baseline's value is not finite".into()),
         (Some(b), ClaimKind::Accuracy) => accuracy_guard(summarize(b).mean, chance),
-        (Some(_), ClaimKind::GuardedBy(ptr)) => {
-            let acc = base_arm.map(|a| summarize(&per_seed(a, ptr)).mean).unwrap_or(f64::NAN);
-            accuracy_guard(acc, chance).map(|r| format!("the task itself is {r}"))
+        (Some(_), ClaimKind::GuardedBy(instrument, ptr)) => {
+            let acc = base_arm.map(|a| summarize(&per_seed_of(a, instrument, ptr)).mean).unwrap_or(f64::NAN);
+            let chance = base_arm
+                .map(|a| mean(&per_seed_of(a, instrument, "/chance_accuracy")))
+                .filter(|c| c.is_finite())
+                .unwrap_or(0.0);
+            accuracy_guard(acc, chance).map(|r| format!("the {instrument} task is at its {r}"))
         }
         _ => None,
     };
@@ -464,7 +469,7 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
     let tokens_per_run = runs.iter().filter(|r| r.main).map(|r| r.value("train", "/tokens")).fold(f64::NAN, f64::max);
     md.push_str(&format!(
         "Preset `{}` (context {}), arms {}, {} seed(s), budget {}, batch {} × {} tokens ({} tokens per model), \
-         widths {:?}, {} runs side by side × {} thread(s); wall time {:.1} min{}.\n\n",
+         widths {:?}, {} runs side by side × {} thread(s); wall time {:.1} min{}{}.\n\n",
         s.preset,
         s.seq_len,
         s.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", "),
@@ -480,6 +485,13 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
         s.jobs,
         s.threads_per_job,
         wall / 60.0,
+        match runs.iter().filter(|r| r.reused).count() {
+            0 => String::new(),
+            n => format!(
+                " ({n} of {} runs trained by an earlier invocation; their training is not in this time)",
+                runs.len()
+            ),
+        },
         if s.quick { " — QUICK smoke run: numbers are not meaningful" } else { "" }
     ));
     md.push_str(&format!("Parameters: {}.\n\n", main_params.join(", ")));
