@@ -95,41 +95,34 @@ pub fn judge_claim(spec: &ClaimSpec, arms: &[Arm], seeds: usize, runs: &[RunResu
         .iter()
         .map(|arm| {
             let values = per_seed(arm, &spec.pointer);
-            let summary = summarize(&values);
+            // The baseline's own row: values only, no comparison.
+            let plain = ArmResult {
+                arm: arm.name.clone(),
+                summary: summarize(&values),
+                values,
+                vs_baseline: None,
+                detectable: None,
+                verdict: None,
+                reason: None,
+            };
             if arm.is_baseline() {
-                return ArmResult {
-                    arm: arm.name.clone(),
-                    values,
-                    summary,
-                    vs_baseline: None,
-                    detectable: None,
-                    verdict: None,
-                    reason: None,
-                };
+                return plain;
             }
             let Some(b) = &base else {
-                return ArmResult {
-                    arm: arm.name.clone(),
-                    values,
-                    summary,
-                    vs_baseline: None,
-                    detectable: None,
-                    verdict: Some(Verdict::Uninformative),
-                    reason: guard.clone(),
-                };
+                return ArmResult { verdict: Some(Verdict::Uninformative), reason: guard.clone(), ..plain };
             };
-            let d = summarize(&paired_differences(&values, b));
+            let d = summarize(&paired_differences(&plain.values, b));
             let detectable = min_detectable_effect(&d);
             let (verdict, reason) = if spec.kind == ClaimKind::ByConstruction {
                 (None, Some("not judged: differs between families by construction".to_string()))
             } else if let Some(g) = &guard {
                 (Some(Verdict::Uninformative), Some(g.clone()))
-            } else if summary.n == 0 {
+            } else if plain.summary.n == 0 {
                 (Some(Verdict::Uninformative), Some("undefined: this arm's value is not finite".to_string()))
             } else {
                 (Some(verdict(&d, spec.direction)), None)
             };
-            ArmResult { arm: arm.name.clone(), values, summary, vs_baseline: Some(d), detectable, verdict, reason }
+            ArmResult { vs_baseline: Some(d), detectable, verdict, reason, ..plain }
         })
         .collect();
     ClaimResult { spec: spec.clone(), arms: results }
