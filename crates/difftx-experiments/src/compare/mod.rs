@@ -88,7 +88,7 @@ impl Arm {
             cfg.d_model = d;
             cfg.d_ff = difftx_core::config::swiglu_width(d);
         }
-        cfg.validate().map_err(|e| anyhow::anyhow!("compare: arm {} at width {:?}: {e}", self.name, d_model))?;
+        cfg.validate().map_err(|e| anyhow::anyhow!("compare: arm {} at width {}: {e}", self.name, cfg.d_model))?;
         Ok(cfg)
     }
 }
