@@ -124,7 +124,7 @@ pub struct RecallArgs {
     #[command(flatten)]
     pub pairs: PairArgs,
     /// Key-value pairs per document (comma separated; one accuracy each).
-    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     pub pair_counts: Vec<usize>,
     /// Documents per pair count.
     #[arg(long, default_value_t = 24)]
@@ -267,39 +267,43 @@ pub struct CompareArgs {
     #[arg(long, default_value_t = 0)]
     pub jobs: usize,
     /// Model preset shared by all families (parameter-matched by construction).
-    #[arg(long, default_value = "tiny")]
+    #[arg(long, default_value_t = CompareOptions::default().preset)]
     pub preset: String,
     /// Real text of the training mixture (default: the bundled corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Mixture: fraction of documents that are real text.
+    /// Mixture: share of the training characters (tokens) that are real text.
     #[arg(long, default_value_t = MixtureSpec::default().text_fraction)]
     pub text_fraction: f64,
-    /// Mixture: fraction of needle documents (key-value pairs hidden in real text, then questions).
+    /// Mixture: share of needle documents (key-value pairs hidden in real text, then questions).
     #[arg(long, default_value_t = MixtureSpec::default().needle_fraction)]
     pub needle_fraction: f64,
-    /// Mixture: fraction of associative-recall documents (pairs, then every key queried).
+    /// Mixture: share of associative-recall documents (pairs, then every key queried).
     #[arg(long, default_value_t = MixtureSpec::default().recall_fraction)]
     pub recall_fraction: f64,
-    /// Mixture: fraction of synthetic in-context classification documents.
+    /// Mixture: share of synthetic in-context classification documents.
     #[arg(long, default_value_t = MixtureSpec::default().icl_fraction)]
     pub icl_fraction: f64,
     #[command(flatten)]
     pub pairs: PairArgs,
+    /// Training needle and recall documents ask their questions once, instead of in reshuffled
+    /// rounds that fill the document (the default; see docs/compare/calibration.md).
+    #[arg(long)]
+    pub single_round: bool,
     /// Difficulty: key-value pairs per training recall document, as LO-HI.
-    #[arg(long, default_value = "2-16", value_parser = parse_range)]
+    #[arg(long, default_value = "2-8", value_parser = parse_range)]
     pub recall_pairs: (usize, usize),
     /// Difficulty: real-text words after each recall pair, as LO-HI (0-0: none).
     #[arg(long, default_value = "0-0", value_parser = parse_range)]
     pub recall_filler: (usize, usize),
     /// Pair counts the recall instrument measures (comma separated).
-    #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     pub recall_eval: Vec<usize>,
     /// Difficulty: needles per training needle document, as LO-HI.
     #[arg(long, default_value = "1-6", value_parser = parse_range)]
     pub needles: (usize, usize),
     /// Difficulty: classes of the synthetic in-context task in training, as LO-HI.
-    #[arg(long, default_value = "2-4", value_parser = parse_range)]
+    #[arg(long, default_value = "4-4", value_parser = parse_range)]
     pub icl_classes: (usize, usize),
     /// Classes of the in-context instrument (chance accuracy 1/N).
     #[arg(long, default_value_t = 4)]
@@ -312,7 +316,7 @@ pub struct CompareArgs {
     pub seq_len: usize,
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = CompareOptions::default().lr)]
     pub lr: f64,
 }
 
@@ -337,6 +341,7 @@ pub fn cmd_compare(a: CompareArgs) -> Result<()> {
             pairs: a.pairs.format(),
             recall_pairs: a.recall_pairs,
             recall_filler: a.recall_filler,
+            question_rounds: !a.single_round,
             needles: a.needles,
             classes: a.icl_classes,
             ..defaults.mixture.clone()

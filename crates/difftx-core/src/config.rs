@@ -149,6 +149,16 @@ fn default_init_std() -> f64 {
     0.02
 }
 
+/// Weight-initialisation std of the presets at width `d_model`: 1/√D (fan-in scaling), so at
+/// initialisation q·k logits and the LM head's logits are of order one at every width. The
+/// earlier fixed 0.02 (GPT-2's value at D 768) left attention nearly uniform at D 64-128: q and k
+/// started ~0.2 per component, and since the gradient of each is proportional to the other, models
+/// sat for millions of tokens on the plateau before copying from context (measured in
+/// docs/compare/calibration.md).
+pub fn preset_init_std(d_model: usize) -> f64 {
+    1.0 / (d_model.max(1) as f64).sqrt()
+}
+
 /// SwiGLU width about 8/3·D, rounded to a multiple of 64 (docs/design.md §4).
 pub fn swiglu_width(d_model: usize) -> usize {
     let w = (8 * d_model) as f64 / 3.0;
@@ -182,7 +192,7 @@ impl ModelConfig {
             tie_embeddings: false,
             norm_eps: default_norm_eps(),
             subln_eps: default_norm_eps(),
-            init_std: default_init_std(),
+            init_std: preset_init_std(d),
         }
     }
 

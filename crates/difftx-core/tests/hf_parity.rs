@@ -354,7 +354,8 @@ fn export_roundtrip(cfg: &ModelConfig, name: &str) -> f32 {
     let spread = max_abs_diff(&a, &a.zeros_like().unwrap());
     eprintln!("{name}: export round trip logits max |diff| {diff:e} (max |logit| {spread})");
     assert!(spread > 0.1, "logits too small for a meaningful test");
-    assert!(diff <= 1e-5, "{name}: round trip max |diff| {diff:e}");
+    // f32 rounding scales with the logits (presets initialise at 1/√D, so they reach ~20 here).
+    assert!(diff <= 4e-6 * spread.max(2.5), "{name}: round trip max |diff| {diff:e}");
     let _ = std::fs::remove_dir_all(&dir);
     diff
 }

@@ -82,8 +82,8 @@ impl PairFormat {
     }
 }
 
-/// Proportions and shapes of the training mixture. Fractions are of documents and are
-/// normalised by their sum (they need not add up to 1, but must not all be zero).
+/// Proportions and shapes of the training mixture. Fractions are of characters (training tokens
+/// with the byte tokenizer) and are normalised by their sum (they need not add up to 1, but must not all be zero).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MixtureSpec {
     pub text_fraction: f64,
@@ -106,6 +106,12 @@ pub struct MixtureSpec {
     /// Real-text words between consecutive pairs of a recall document, inclusive range.
     #[serde(default)]
     pub recall_filler: (usize, usize),
+    /// Ask the questions of training recall and needle documents again, in reshuffled rounds,
+    /// until the document fills `doc_chars` (a needle document's haystack then takes half of it):
+    /// [`RecallDocument::text_with_rounds`], [`NeedleDocument::text_with_rounds`]. Specs written
+    /// before the field load as false, the single round they were built with.
+    #[serde(default)]
+    pub question_rounds: bool,
     /// Demonstrations per in-context document, inclusive range.
     pub shots: (usize, usize),
     /// Number of classes of the synthetic classification task, inclusive range.
@@ -113,15 +119,15 @@ pub struct MixtureSpec {
 }
 
 fn default_recall_pairs() -> (usize, usize) {
-    (2, 16)
+    (2, 8)
 }
 
 impl Default for MixtureSpec {
     fn default() -> Self {
         MixtureSpec {
-            text_fraction: 0.3,
+            text_fraction: 0.2,
             needle_fraction: 0.25,
-            recall_fraction: 0.25,
+            recall_fraction: 0.35,
             icl_fraction: 0.2,
             doc_chars: 256,
             pairs: PairFormat::default(),
@@ -129,8 +135,9 @@ impl Default for MixtureSpec {
             asked: (1, 3),
             recall_pairs: default_recall_pairs(),
             recall_filler: (0, 0),
-            shots: (4, 12),
-            classes: (2, 4),
+            question_rounds: true,
+            shots: (6, 18),
+            classes: (4, 4),
         }
     }
 }
@@ -282,22 +289,73 @@ pub fn needle_document(
     max_chars: usize,
     rng: &mut impl Rng,
 ) -> String {
+    needle_parts(clean, fmt, n, r, max_chars, rng).text()
+}
+
+/// A needle document as pieces: the haystack with its needles, and the asked `(key, value)`s.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NeedleDocument {
+    pub body: String,
+    pub asked: Vec<(String, String)>,
+}
+
+impl NeedleDocument {
+    /// The body, then each question on a new line with its answer.
+    pub fn text(&self) -> String {
+        let mut s = self.body.clone();
+        for (k, v) in &self.asked {
+            s.push('\n');
+            s.push_str(&needle_question(k));
+            s.push_str(v);
+        }
+        s
+    }
+
+    /// [`text`](Self::text), then the questions asked again in reshuffled rounds as many times
+    /// as fit in `max_chars` (training documents: see [`RecallDocument::text_with_rounds`]).
+    pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
+        let mut s = self.text();
+        let round_chars: usize = self.asked.iter().map(|(k, v)| 1 + needle_question(k).len() + v.len()).sum();
+        let mut order: Vec<usize> = (0..self.asked.len()).collect();
+        while round_chars > 0 && s.len() + round_chars <= max_chars {
+            order.shuffle(rng);
+            for &i in &order {
+                let (k, v) = &self.asked[i];
+                s.push('\n');
+                s.push_str(&needle_question(k));
+                s.push_str(v);
+            }
+        }
+        s
+    }
+}
+
+/// [`needle_document`] in pieces.
+pub fn needle_parts(
+    clean: &str,
+    fmt: &PairFormat,
+    n: usize,
+    r: usize,
+    max_chars: usize,
+    rng: &mut impl Rng,
+) -> NeedleDocument {
     let pair = fmt.pair_chars() + 1;
     let r = r.clamp(1, (max_chars / (2 * pair)).max(1));
     let n = n.clamp(r, (max_chars.saturating_sub(pair * r) / pair).max(r));
     let needles = fmt.pairs(n, rng);
-    let mut asked: Vec<usize> = (0..needles.len()).collect();
-    asked.shuffle(rng);
-    asked.truncate(r.min(needles.len()));
-    let qa: String = asked.iter().map(|&i| format!("\n{}{}", needle_question(&needles[i].0), needles[i].1)).collect();
-    let fixed: usize = needles.iter().map(|(k, v)| needle_sentence(k, v).len() + 1).sum::<usize>() + qa.len();
+    let mut order: Vec<usize> = (0..needles.len()).collect();
+    order.shuffle(rng);
+    order.truncate(r.min(needles.len()));
+    let asked: Vec<(String, String)> = order.iter().map(|&i| needles[i].clone()).collect();
+    let qa_len: usize = asked.iter().map(|(k, v)| 1 + needle_question(k).len() + v.len()).sum();
+    let fixed: usize = needles.iter().map(|(k, v)| needle_sentence(k, v).len() + 1).sum::<usize>() + qa_len;
     let hay_len = max_chars.saturating_sub(fixed);
     let hay_len = if hay_len > 0 { rng.random_range(hay_len / 3..=hay_len) } else { 0 };
     let hay = haystack(clean, hay_len, rng);
     let sentences: Vec<(String, f64)> =
         needles.iter().map(|(k, v)| (needle_sentence(k, v), rng.random_range(0.0..=1.0))).collect();
-    let (text, _) = insert_at_depths(&hay, &sentences);
-    format!("{text}{qa}")
+    let (body, _) = insert_at_depths(&hay, &sentences);
+    NeedleDocument { body, asked }
 }
 
 /// Words of real text for the filler between recall pairs.
@@ -324,6 +382,30 @@ impl RecallDocument {
         for (p, v) in &self.queries {
             s.push_str(p);
             s.push_str(v);
+        }
+        s
+    }
+
+    /// The document with its round of queries repeated, reshuffled each time and on a new line,
+    /// as many times as fit in `max_chars` (at least once). Used for training: every key of a
+    /// window then keeps one value, so copying from context always pays, and a window holds one
+    /// episode instead of several whose keys clash (docs/compare/calibration.md).
+    pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
+        let mut s = self.text();
+        let round_chars: usize = self.queries.iter().map(|(p, v)| p.len() + v.len()).sum::<usize>() + 1;
+        let mut order: Vec<usize> = (0..self.queries.len()).collect();
+        while s.len() + round_chars <= max_chars {
+            order.shuffle(rng);
+            s.push('\n');
+            for (j, &i) in order.iter().enumerate() {
+                let (p, v) = &self.queries[i];
+                // Queries are separated by one space (the stored prompts carry it, but the first).
+                if j > 0 {
+                    s.push(' ');
+                }
+                s.push_str(p.trim_start());
+                s.push_str(v);
+            }
         }
         s
     }
@@ -369,8 +451,8 @@ pub fn recall_chars(fmt: &PairFormat, n: usize) -> usize {
     2 * n * (fmt.pair_chars() + 1)
 }
 
-/// The synthetic in-context task: an input is three lowercase letters; its class is decided by
-/// its first letter (the alphabet cut into `classes` equal groups); each episode maps classes to
+/// The synthetic in-context task: an input is one lowercase letter; its class is decided by
+/// the letter (the alphabet cut into `classes` equal groups); each episode maps classes to
 /// label words in its own random way, so the labels can only be read off the demonstrations.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticTask {
@@ -393,9 +475,9 @@ impl SyntheticTask {
         let k = self.labels.len();
         let lo = (class * 26).div_ceil(k);
         let hi = ((class + 1) * 26).div_ceil(k);
-        let first = (b'a' + rng.random_range(lo as u8..hi as u8)) as char;
-        let rest: String = (0..2).map(|_| (b'a' + rng.random_range(0..26u8)) as char).collect();
-        format!("{first}{rest}")
+        // One letter: two random letters after it (the earlier format) only added noise between
+        // the class and its label, and the baseline stayed at chance (docs/compare/calibration.md).
+        ((b'a' + rng.random_range(lo as u8..hi as u8)) as char).to_string()
     }
     /// `n` examples `(input, label index)`, classes drawn uniformly.
     pub fn examples(&self, n: usize, rng: &mut impl Rng) -> Vec<(String, usize)> {
@@ -429,13 +511,17 @@ pub fn icl_document(shots: usize, classes: usize, rng: &mut impl Rng) -> String 
         .to_string()
 }
 
-/// Builds `n_docs` documents in the proportions of `spec`, shuffled, reproducibly from `seed`.
-/// `text` is real text (cleaned to ASCII here). Document counts per kind are the rounded
-/// fractions of `n_docs` (largest remainder), so the composition is exact, not sampled.
-pub fn build_mixture(spec: &MixtureSpec, text: &str, n_docs: usize, seed: u64) -> Result<Vec<String>> {
+/// Builds a mixture of about `windows × spec.doc_chars` characters (one epoch of that many
+/// training windows) in the proportions of `spec`, shuffled, reproducibly from `seed`. The
+/// fractions are of **characters** (hence of training tokens with the byte tokenizer), not of
+/// documents: retrieval documents are much shorter than text documents, and counting documents
+/// gave them about a tenth of the tokens at equal fractions. Each kind gets documents until its
+/// share of characters is reached (at least one document when its fraction is positive). `text`
+/// is real text (cleaned to ASCII here).
+pub fn build_mixture(spec: &MixtureSpec, text: &str, windows: usize, seed: u64) -> Result<Vec<String>> {
     spec.validate()?;
-    if n_docs == 0 {
-        bail!("the mixture needs at least one document");
+    if windows == 0 {
+        bail!("the mixture needs at least one window of text");
     }
     let clean = clean_text(text);
     let needs_text = spec.text_fraction > 0.0 || spec.needle_fraction > 0.0;
@@ -443,32 +529,50 @@ pub fn build_mixture(spec: &MixtureSpec, text: &str, n_docs: usize, seed: u64) -
         bail!("real text has {} usable characters, fewer than one document of {}", clean.len(), spec.doc_chars);
     }
     let words: Vec<&str> = clean.split(' ').collect();
-    let counts = mixture_counts(spec, n_docs);
+    let budgets = mixture_chars(spec, windows * spec.doc_chars);
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut docs = Vec::with_capacity(n_docs);
-    for _ in 0..counts[0] {
-        let len = rng.random_range(spec.doc_chars / 2..=spec.doc_chars);
-        docs.push(haystack(&clean, len, &mut rng));
-    }
-    for _ in 0..counts[1] {
-        let n = rng.random_range(spec.needles.0..=spec.needles.1);
-        let r = rng.random_range(spec.asked.0..=spec.asked.1).min(n);
-        docs.push(needle_document(&clean, &spec.pairs, n, r, spec.doc_chars, &mut rng));
-    }
+    let mut docs = Vec::new();
     // Recall documents are capped to fit doc_chars with their filler.
     let per_pair_max = 2 * (spec.pairs.pair_chars() + 1) + spec.recall_filler.1 * 8;
     let max_pairs = (spec.doc_chars / per_pair_max).max(1);
-    for _ in 0..counts[2] {
-        let n = rng.random_range(spec.recall_pairs.0..=spec.recall_pairs.1).min(max_pairs);
-        let doc = recall_document(&words, &spec.pairs, n, spec.recall_filler, &mut rng).text();
-        docs.push(truncate_chars(doc, spec.doc_chars));
-    }
-    for _ in 0..counts[3] {
-        let k = rng.random_range(spec.classes.0..=spec.classes.1);
-        // shots limited so the document fits doc_chars (a line is at most 3 + 4 + 5 + 1 chars)
-        let max_shots = (spec.doc_chars / 13).saturating_sub(1).max(1);
-        let s = rng.random_range(spec.shots.0..=spec.shots.1).min(max_shots);
-        docs.push(icl_document(s, k, &mut rng));
+    // In-context shots limited so the document fits doc_chars (a line is at most 3 + 4 + 5 + 1 chars).
+    let max_shots = (spec.doc_chars / 13).saturating_sub(1).max(1);
+    for (kind, &budget) in budgets.iter().enumerate() {
+        let mut chars = 0;
+        while chars < budget {
+            let doc = match kind {
+                0 => {
+                    let len = rng.random_range(spec.doc_chars / 2..=spec.doc_chars);
+                    haystack(&clean, len, &mut rng)
+                }
+                1 => {
+                    let n = rng.random_range(spec.needles.0..=spec.needles.1);
+                    let r = rng.random_range(spec.asked.0..=spec.asked.1).min(n);
+                    if spec.question_rounds {
+                        // Half the document for the haystack, the rest for rounds of questions.
+                        needle_parts(&clean, &spec.pairs, n, r, spec.doc_chars / 2, &mut rng)
+                            .text_with_rounds(spec.doc_chars, &mut rng)
+                    } else {
+                        needle_document(&clean, &spec.pairs, n, r, spec.doc_chars, &mut rng)
+                    }
+                }
+                2 => {
+                    let n = rng.random_range(spec.recall_pairs.0..=spec.recall_pairs.1).min(max_pairs);
+                    let doc = recall_document(&words, &spec.pairs, n, spec.recall_filler, &mut rng);
+                    let text =
+                        if spec.question_rounds { doc.text_with_rounds(spec.doc_chars, &mut rng) } else { doc.text() };
+                    truncate_chars(text, spec.doc_chars)
+                }
+                _ => {
+                    let k = rng.random_range(spec.classes.0..=spec.classes.1);
+                    let s = rng.random_range(spec.shots.0..=spec.shots.1).min(max_shots);
+                    icl_document(s, k, &mut rng)
+                }
+            };
+            // +1: the newline that separates documents in the token stream.
+            chars += doc.len() + 1;
+            docs.push(doc);
+        }
     }
     docs.shuffle(&mut rng);
     Ok(docs)
@@ -482,26 +586,12 @@ fn truncate_chars(mut s: String, max: usize) -> String {
     s
 }
 
-/// Number of documents of each kind (text, needle, recall, icl) for `n_docs` documents.
-pub fn mixture_counts(spec: &MixtureSpec, n_docs: usize) -> [usize; 4] {
+/// Characters of each kind (text, needle, recall, icl) in a mixture of `total` characters: the
+/// fractions normalised by their sum.
+pub fn mixture_chars(spec: &MixtureSpec, total: usize) -> [usize; 4] {
     let f = [spec.text_fraction, spec.needle_fraction, spec.recall_fraction, spec.icl_fraction];
     let sum: f64 = f.iter().sum();
-    let exact: Vec<f64> = f.iter().map(|x| x / sum * n_docs as f64).collect();
-    let mut counts = [0usize; 4];
-    for i in 0..4 {
-        counts[i] = exact[i].floor() as usize;
-    }
-    let mut rem: Vec<(f64, usize)> = (0..4).map(|i| (exact[i] - counts[i] as f64, i)).collect();
-    rem.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
-    let mut left = n_docs - counts.iter().sum::<usize>();
-    for (_, i) in rem {
-        if left == 0 {
-            break;
-        }
-        counts[i] += 1;
-        left -= 1;
-    }
-    counts
+    f.map(|x| (x / sum * total as f64).round() as usize)
 }
 
 /// Reads `path` or, when None, the bundled corpus, with a clear error.

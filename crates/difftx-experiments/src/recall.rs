@@ -33,7 +33,7 @@ pub struct RecallOptions {
 impl Default for RecallOptions {
     fn default() -> Self {
         RecallOptions {
-            pair_counts: vec![4, 8, 16],
+            pair_counts: vec![2, 4, 8],
             documents: 24,
             filler: (0, 0),
             pairs: PairFormat::default(),

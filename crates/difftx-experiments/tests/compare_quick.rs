@@ -31,6 +31,8 @@ fn quick_compare_writes_a_full_report() {
         let loss = r["results"]["train"]["final_val_loss"].as_f64().unwrap();
         // a byte model starts near ln(256) = 5.55 and must have learned something in 4 steps
         assert!(loss.is_finite() && loss < 5.55, "{loss}");
+        let text_loss = r["results"]["train"]["text_loss"].as_f64().unwrap();
+        assert!(text_loss.is_finite() && text_loss < 5.55, "{text_loss}");
         assert!(r["results"]["quantize"]["delta_by_setting"]["logits int4"].is_number());
     }
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
@@ -90,11 +92,11 @@ fn sizes_and_the_ablation_arm_give_efficiency_and_ablation_rows() {
     let dir = tempfile::tempdir().unwrap();
     let arms: Vec<Arm> = ["baseline", "diff-v1", "diff-v1-nonorm"].iter().map(|a| a.parse().unwrap()).collect();
     let opts =
-        CompareOptions { quick: true, out: dir.path().join("c"), arms, sizes: vec![64], jobs: 2, ..Default::default() };
+        CompareOptions { quick: true, out: dir.path().join("c"), arms, sizes: vec![48], jobs: 2, ..Default::default() };
     let rep = run_compare(&opts).unwrap();
     // 3 arms x 2 seeds x 2 widths
     assert_eq!(rep.report_json["runs"].as_array().unwrap().len(), 12);
-    assert!(dir.path().join("c/runs/diff-v1-nonorm-d64-seed1/checkpoint").exists());
+    assert!(dir.path().join("c/runs/diff-v1-nonorm-d48-seed1/checkpoint").exists());
     assert!(dir.path().join("c/param_efficiency.png").exists());
     let md = std::fs::read_to_string(dir.path().join("c/report.md")).unwrap();
     assert!(md.contains("Parameters to match the baseline's loss"));
@@ -168,10 +170,23 @@ fn compare_runs_record_their_exact_training_text() {
     let docs = difftx_experiments::mixture::build_mixture(
         &spec,
         &corpus,
-        m["documents"].as_u64().unwrap() as usize,
+        m["windows"].as_u64().unwrap() as usize,
         m["seed"].as_u64().unwrap(),
     )
     .unwrap();
     let original = difftx_train::data::TokenDataset::build(&docs, &tok, topts.seq_len, topts.val_fraction).unwrap();
     assert!(original == ds, "the recorded training text gives a different token stream");
+}
+
+#[test]
+fn the_text_loss_reads_the_real_text_documents_of_the_validation_split() {
+    use difftx_experiments::compare::validation_text_documents;
+    let docs: Vec<String> = ["aaaa", "b\nb", "cc", "dd"].iter().map(|s| s.to_string()).collect();
+    // 14 characters with the separating newlines; the last 7 hold "cc" and "dd" whole.
+    assert_eq!(validation_text_documents(&docs, 0.5), vec!["cc".to_string(), "dd".to_string()]);
+    // Documents with a newline (needle, recall, in-context) are never real text.
+    assert_eq!(validation_text_documents(&docs, 0.8), vec!["cc".to_string(), "dd".to_string()]);
+    assert_eq!(validation_text_documents(&docs, 1.0), vec!["aaaa".to_string(), "cc".to_string(), "dd".to_string()]);
+    assert_eq!(validation_text_documents(&docs, 0.1), vec!["dd".to_string()]);
+    assert!(validation_text_documents(&docs, 0.05).is_empty());
 }

@@ -19,7 +19,7 @@ fn pairs_in(text: &str) -> Vec<&str> {
 }
 
 #[test]
-fn composition_is_exact_and_reproducible() {
+fn composition_follows_the_character_shares_and_is_reproducible() {
     let spec = MixtureSpec {
         text_fraction: 0.4,
         needle_fraction: 0.2,
@@ -29,22 +29,28 @@ fn composition_is_exact_and_reproducible() {
     };
     let text = corpus();
     let docs = build_mixture(&spec, &text, 100, 7).unwrap();
-    assert_eq!(docs.len(), 100);
     assert_eq!(docs, build_mixture(&spec, &text, 100, 7).unwrap());
     assert_ne!(docs, build_mixture(&spec, &text, 100, 8).unwrap());
-    let icl = docs.iter().filter(|d| d.contains(" -> ")).count();
-    assert_eq!(icl, 20);
+    let budgets = mixture_chars(&spec, 100 * spec.doc_chars);
+    assert_eq!(budgets, [10240, 5120, 5120, 5120]);
+    // Each document is counted with the newline that separates it from the next.
+    let chars = |docs: Vec<&String>| docs.iter().map(|d| d.len() + 1).sum::<usize>();
+    let icl: Vec<&String> = docs.iter().filter(|d| d.contains(" -> ")).collect();
     // recall documents: a first line of pairs only, then a line querying every key once
-    let recall = docs
+    let recall: Vec<&String> = docs
         .iter()
         .filter(|d| {
             let mut lines = d.lines();
             let first = lines.next().unwrap_or("");
             !first.is_empty() && pairs_in(first).len() == first.split(' ').count()
         })
-        .count();
-    assert_eq!(recall, 20);
-    assert_eq!(mixture_counts(&spec, 7), [3, 2, 1, 1]);
+        .collect();
+    // A kind stops at the first document that reaches its share: at most one document over.
+    for (got, budget) in [(chars(icl), budgets[3]), (chars(recall), budgets[2])] {
+        assert!(got >= budget && got <= budget + spec.doc_chars + 1, "{got} characters for a share of {budget}");
+    }
+    let total: usize = docs.iter().map(|d| d.len() + 1).sum();
+    assert!(total >= 25600 && total <= 25600 + 4 * (spec.doc_chars + 1), "{total}");
     for d in &docs {
         assert!(d.is_ascii());
         assert!(d.len() <= spec.doc_chars, "{} > {}: {d}", d.len(), spec.doc_chars);
@@ -65,6 +71,33 @@ fn needle_documents_answer_their_questions() {
         assert_eq!(pairs_in(body).len(), 4, "{doc}");
         for q in qs {
             assert!(body.split(' ').any(|w| w == q), "question {q} not answered in {doc}");
+        }
+    }
+}
+
+#[test]
+fn needle_rounds_repeat_the_asked_questions_and_fill_the_document() {
+    let text = clean_text(&corpus());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let fmt = PairFormat::default();
+    for r in [1, 3] {
+        let doc = needle_parts(&text, &fmt, 5, r, 128, &mut rng);
+        assert_eq!(doc.asked.len(), r);
+        let full = doc.text_with_rounds(256, &mut rng);
+        assert!(full.starts_with(&doc.text()) && full.len() <= 256 && full.len() + 3 * r > 256, "{full}");
+        let mut lines = full.lines();
+        let body = lines.next().unwrap();
+        let qs: Vec<&str> = lines.collect();
+        assert_eq!(qs.len() % r, 0, "{full}");
+        for round in qs.chunks(r) {
+            let mut round = round.to_vec();
+            round.sort();
+            let mut asked: Vec<String> = doc.asked.iter().map(|(k, v)| format!("{k}{v}")).collect();
+            asked.sort();
+            assert_eq!(round, asked, "{full}");
+        }
+        for q in qs {
+            assert!(body.split(' ').any(|w| w == q), "question {q} not answered in {full}");
         }
     }
 }
@@ -98,6 +131,32 @@ fn recall_documents_query_every_pair_once() {
         }
         assert!(text.len() <= recall_chars(&fmt, n) + 8 * n * filler.1);
     }
+}
+
+#[test]
+fn recall_rounds_repeat_every_query_and_fill_the_document() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let fmt = PairFormat::default();
+    for n in [1, 3, 8] {
+        let doc = recall_document(&[], &fmt, n, (0, 0), &mut rng);
+        let text = doc.text_with_rounds(256, &mut rng);
+        assert!(text.len() <= 256 && text.starts_with(&doc.text()), "{text}");
+        let mut lines = text.lines();
+        let mut given: Vec<&str> = lines.next().unwrap().split(' ').collect();
+        given.sort();
+        let rounds: Vec<&str> = lines.collect();
+        let round_chars = 3 * n;
+        // as many rounds as fit: one more would not
+        assert_eq!(rounds.len(), (256 - (3 * n - 1)) / round_chars, "{text}");
+        for r in rounds {
+            let mut asked: Vec<&str> = r.split(' ').collect();
+            asked.sort();
+            assert_eq!(asked, given, "{text}");
+        }
+    }
+    // A round that does not fit leaves the single round of `text()`.
+    let doc = recall_document(&[], &fmt, 8, (0, 0), &mut rng);
+    assert_eq!(doc.text_with_rounds(10, &mut rng), doc.text());
 }
 
 #[test]

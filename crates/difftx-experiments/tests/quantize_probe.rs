@@ -90,6 +90,8 @@ fn tiny_cfg(family: Family, tie: bool) -> ModelConfig {
     cfg.d_ff = 128;
     cfg.max_seq_len = 32;
     cfg.tie_embeddings = tie;
+    // The weight scales below (init × std_scale) were chosen for this init.
+    cfg.init_std = 0.02;
     cfg
 }
 

@@ -87,6 +87,7 @@ impl Arm {
         if let Some(d) = d_model {
             cfg.d_model = d;
             cfg.d_ff = difftx_core::config::swiglu_width(d);
+            cfg.init_std = difftx_core::config::preset_init_std(d);
         }
         cfg.validate().map_err(|e| anyhow::anyhow!("compare: arm {} at width {}: {e}", self.name, cfg.d_model))?;
         Ok(cfg)
@@ -137,10 +138,11 @@ pub struct CompareOptions {
     pub progress: bool,
 }
 
-/// Default steps per model: 900 steps × 8 × 256 = 1.8M tokens per model with the tiny preset,
-/// sized so the default compare (9 models side by side, two at a time, then every instrument)
-/// stays under 30 minutes on 2 cores (docs/compare/README.md).
-pub const DEFAULT_STEPS: usize = 900;
+/// Default steps per model: 2,400 steps × 8 × 256 = 4.9M tokens per model with the nano preset,
+/// a budget at which the baseline learns every retrieval and in-context task partially
+/// (docs/compare/calibration.md), sized so the default compare (9 models, two at a time, then
+/// every instrument) stays near 30 minutes on 2 cores (docs/compare/README.md).
+pub const DEFAULT_STEPS: usize = 2400;
 
 impl Default for CompareOptions {
     fn default() -> Self {
@@ -149,14 +151,14 @@ impl Default for CompareOptions {
             budget: Budget::Steps(DEFAULT_STEPS),
             quick: false,
             arms: Family::ALL.iter().map(|&f| Arm::of(f)).collect(),
-            preset: "tiny".into(),
+            preset: "nano".into(),
             sizes: Vec::new(),
             data: None,
             mixture: MixtureSpec::default(),
             out: PathBuf::from("runs/compare"),
             seq_len: 256,
             batch_size: 8,
-            lr: 2e-3,
+            lr: 3e-3,
             jobs: 0,
             needle: NeedleOptions { trials: 3, ..Default::default() },
             recall: RecallOptions::default(),
@@ -191,7 +193,12 @@ pub struct Settings {
     /// The preset's width first, then the extra sizes.
     pub widths: Vec<usize>,
     pub mixture: MixtureSpec,
-    pub documents: usize,
+    /// The mixture holds about `windows × seq_len` characters: one epoch at the step budget.
+    pub windows: usize,
+    /// The real-text documents of the validation split, for the loss on real text (filled by
+    /// `run_compare` once the mixture is built).
+    #[serde(skip)]
+    pub text_eval: Vec<String>,
     pub needle: NeedleOptions,
     pub recall: RecallOptions,
     pub attention: AttentionOptions,
@@ -303,7 +310,8 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
         Budget::Steps(s) => s,
         Budget::Seconds(_) => 4 * DEFAULT_STEPS,
     };
-    let documents = if quick { 200 } else { (steps_for_docs.min(100_000) * batch_size).clamp(2000, 100_000) };
+    // quick: 400 windows, enough that the validation split holds real text for the text loss
+    let windows = if quick { 400 } else { (steps_for_docs.min(100_000) * batch_size).clamp(2000, 100_000) };
     let runs = arms.len() * seeds * widths.len();
     // The cores difftx may use: RAYON_NUM_THREADS (the CLI sets it to all cores unless the user
     // chose), else all cores.
@@ -331,7 +339,8 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
         lr: opts.lr,
         widths,
         mixture,
-        documents,
+        windows,
+        text_eval: Vec::new(),
         needle,
         recall,
         attention,
@@ -383,7 +392,7 @@ fn plan_runs(s: &Settings, out: &Path, data: &Path) -> Result<Vec<Plan>> {
                     checkpoint_every: usize::MAX,
                     log_every: 1,
                     seed: 1000 + seed as u64,
-                    val_fraction: 0.05,
+                    val_fraction: VAL_FRACTION,
                     windows: WindowStart::DocumentStart,
                 };
                 let dir = run_dir(out, arm, seed, width, main);
@@ -466,6 +475,44 @@ fn analyse(dir: &Path, s: &Settings) -> Result<Vec<(String, serde_json::Value)>>
     Ok(out)
 }
 
+/// Share of the mixture's token stream held out for validation (the last part of the stream).
+const VAL_FRACTION: f64 = 0.05;
+
+/// The real-text documents lying wholly in the validation split of `docs` (the last
+/// `val_fraction` of the stream `TokenDataset::build` makes, one byte a token): the text the loss
+/// on real text is measured on. Text documents are the only kind without a newline. They are
+/// slices of the same corpus as the training text documents, so held out as windows, not as text.
+pub fn validation_text_documents(docs: &[String], val_fraction: f64) -> Vec<String> {
+    let total: usize = docs.iter().map(|d| d.len() + 1).sum::<usize>().saturating_sub(1);
+    let val_len = (total as f64 * val_fraction).ceil() as usize;
+    let mut seen = 0;
+    let mut out = Vec::new();
+    for d in docs.iter().rev() {
+        if seen + d.len() > val_len {
+            break;
+        }
+        if !d.contains('\n') {
+            out.push(d.clone());
+        }
+        // the newline that separates it from the document before
+        seen += d.len() + 1;
+    }
+    out.reverse();
+    out
+}
+
+/// Mean next-token loss of the run's final checkpoint on `texts` (each followed by the newline
+/// that ends a document in training), in windows of `seq_len`; NaN when there is too little text
+/// for one window (e.g. a mixture without real text).
+fn text_validation_loss(dir: &Path, texts: &[String], seq_len: usize) -> Result<f64> {
+    let texts: Vec<String> = texts.iter().map(|t| format!("{t}\n")).collect();
+    if texts.iter().map(|t| t.len()).sum::<usize>() < seq_len + 1 {
+        return Ok(f64::NAN);
+    }
+    let (model, tok, _) = crate::common::load_model_and_tokenizer(dir)?;
+    Ok(difftx_train::eval::evaluate_text(&model, &tok, &texts, seq_len, 8, 8)?.loss)
+}
+
 /// Trains (or reuses) and analyses one planned run.
 fn execute(
     p: &Plan,
@@ -488,10 +535,11 @@ fn execute(
     let tps = std::fs::read_to_string(p.dir.join(trainer::METRICS_FILE)).ok().and_then(|t| {
         t.lines().rev().find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["tokens_per_sec"].as_f64())
     });
+    let text_loss = text_validation_loss(&p.dir, &s.text_eval, s.seq_len)?;
     let mut results = BTreeMap::new();
     results.insert(
         "train".to_string(),
-        serde_json::json!({"final_val_loss": final_val, "tokens": tokens, "tokens_per_sec": tps}),
+        serde_json::json!({"final_val_loss": final_val, "text_loss": text_loss, "tokens": tokens, "tokens_per_sec": tps}),
     );
     if p.main {
         bar.set_message(format!("analysing {}", p.dir.file_name().unwrap_or_default().to_string_lossy()));
@@ -592,21 +640,22 @@ fn execute_all(
 /// or unfinished run.
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     let start = Instant::now();
-    let s = resolve_settings(opts)?;
+    let mut s = resolve_settings(opts)?;
     // Data: one mixture, one dataset, shared by every run.
     let data_path = match &opts.data {
         Some(p) => p.clone(),
         None => difftx_train::data::bundled_corpus()?,
     };
     let text = read_corpus(Some(&data_path))?;
-    let docs = build_mixture(&s.mixture, &text, s.documents, 1234)?;
+    let docs = build_mixture(&s.mixture, &text, s.windows, 1234)?;
     let tok = Tokenizer::bytes();
-    let ds = TokenDataset::build(&docs, &tok, s.seq_len, 0.05)?;
+    let ds = TokenDataset::build(&docs, &tok, s.seq_len, VAL_FRACTION)?;
+    s.text_eval = validation_text_documents(&docs, VAL_FRACTION);
     std::fs::create_dir_all(&opts.out).with_context(|| format!("cannot create {}", opts.out.display()))?;
     std::fs::write(
         opts.out.join("mixture.json"),
         serde_json::to_string_pretty(
-            &serde_json::json!({"spec": s.mixture, "documents": s.documents, "seed": 1234, "text": data_path}),
+            &serde_json::json!({"spec": s.mixture, "windows": s.windows, "seed": 1234, "text": data_path}),
         )?,
     )?;
     // The exact training documents, one JSON line each: each run's train_config.json names this
