@@ -315,17 +315,8 @@ impl NeedleDocument {
     /// as fit in `max_chars` (training documents: see [`RecallDocument::text_with_rounds`]).
     pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
         let mut s = self.text();
-        let round_chars: usize = self.asked.iter().map(|(k, v)| 1 + needle_question(k).len() + v.len()).sum();
-        let mut order: Vec<usize> = (0..self.asked.len()).collect();
-        while round_chars > 0 && s.len() + round_chars <= max_chars {
-            order.shuffle(rng);
-            for &i in &order {
-                let (k, v) = &self.asked[i];
-                s.push('\n');
-                s.push_str(&needle_question(k));
-                s.push_str(v);
-            }
-        }
+        let items: Vec<String> = self.asked.iter().map(|(k, v)| format!("{}{v}", needle_question(k))).collect();
+        push_rounds(&mut s, &items, "\n", max_chars, rng);
         s
     }
 }
@@ -356,6 +347,26 @@ pub fn needle_parts(
         needles.iter().map(|(k, v)| (needle_sentence(k, v), rng.random_range(0.0..=1.0))).collect();
     let (body, _) = insert_at_depths(&hay, &sentences);
     NeedleDocument { body, asked }
+}
+
+/// Appends rounds to `s` while they fit in `max_chars`: each round is a newline, then `items` in
+/// a fresh random order separated by `sep`.
+fn push_rounds(s: &mut String, items: &[String], sep: &str, max_chars: usize, rng: &mut impl Rng) {
+    if items.is_empty() {
+        return;
+    }
+    let round_chars = 1 + items.iter().map(|x| x.len()).sum::<usize>() + sep.len() * (items.len() - 1);
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    while s.len() + round_chars <= max_chars {
+        order.shuffle(rng);
+        s.push('\n');
+        for (j, &i) in order.iter().enumerate() {
+            if j > 0 {
+                s.push_str(sep);
+            }
+            s.push_str(&items[i]);
+        }
+    }
 }
 
 /// Words of real text for the filler between recall pairs.
@@ -392,21 +403,8 @@ impl RecallDocument {
     /// episode instead of several whose keys clash (docs/compare/calibration.md).
     pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
         let mut s = self.text();
-        let round_chars: usize = self.queries.iter().map(|(p, v)| p.len() + v.len()).sum::<usize>() + 1;
-        let mut order: Vec<usize> = (0..self.queries.len()).collect();
-        while s.len() + round_chars <= max_chars {
-            order.shuffle(rng);
-            s.push('\n');
-            for (j, &i) in order.iter().enumerate() {
-                let (p, v) = &self.queries[i];
-                // Queries are separated by one space (the stored prompts carry it, but the first).
-                if j > 0 {
-                    s.push(' ');
-                }
-                s.push_str(p.trim_start());
-                s.push_str(v);
-            }
-        }
+        let items: Vec<String> = self.queries.iter().map(|(p, v)| format!("{}{v}", p.trim_start())).collect();
+        push_rounds(&mut s, &items, " ", max_chars, rng);
         s
     }
 }
