@@ -275,13 +275,13 @@ pub struct CompareArgs {
     /// Mixture: share of the training characters (tokens) that are real text.
     #[arg(long, default_value_t = MixtureSpec::default().text_fraction)]
     pub text_fraction: f64,
-    /// Mixture: share of needle documents (key-value pairs hidden in real text, then questions).
+    /// Mixture: share of the characters in needle documents (key-value pairs hidden in real text, then questions).
     #[arg(long, default_value_t = MixtureSpec::default().needle_fraction)]
     pub needle_fraction: f64,
-    /// Mixture: share of associative-recall documents (pairs, then every key queried).
+    /// Mixture: share of the characters in associative-recall documents (pairs, then every key queried).
     #[arg(long, default_value_t = MixtureSpec::default().recall_fraction)]
     pub recall_fraction: f64,
-    /// Mixture: share of synthetic in-context classification documents.
+    /// Mixture: share of the characters in synthetic in-context classification documents.
     #[arg(long, default_value_t = MixtureSpec::default().icl_fraction)]
     pub icl_fraction: f64,
     #[command(flatten)]
