@@ -9,19 +9,45 @@ use difftx_experiments::{attention, icl, needle, outliers, quantize, recall, see
 use std::path::PathBuf;
 
 /// "LO-HI" or "N" as an inclusive range.
-fn parse_range(s: &str) -> Result<(usize, usize), String> {
-    let bad = || format!("invalid range '{s}' (expected N or LO-HI, e.g. 2-16)");
-    let (lo, hi) = match s.split_once('-') {
-        Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
-        None => {
-            let n = s.trim().parse().map_err(|_| bad())?;
-            (n, n)
+/// An inclusive range argument, written `LO-HI` (or `N` for N-N); printed the same way, so the
+/// libraries' default ranges can be the CLI's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Range(pub usize, pub usize);
+
+impl std::str::FromStr for Range {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("invalid range '{s}' (expected N or LO-HI, e.g. 2-16)");
+        let (lo, hi) = match s.split_once('-') {
+            Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
+            None => {
+                let n = s.trim().parse().map_err(|_| bad())?;
+                (n, n)
+            }
+        };
+        if lo > hi {
+            return Err(bad());
         }
-    };
-    if lo > hi {
-        return Err(bad());
+        Ok(Range(lo, hi))
     }
-    Ok((lo, hi))
+}
+
+impl std::fmt::Display for Range {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.0, self.1)
+    }
+}
+
+impl From<(usize, usize)> for Range {
+    fn from((lo, hi): (usize, usize)) -> Self {
+        Range(lo, hi)
+    }
+}
+
+impl From<Range> for (usize, usize) {
+    fn from(r: Range) -> Self {
+        (r.0, r.1)
+    }
 }
 
 #[derive(Args)]
@@ -124,14 +150,14 @@ pub struct RecallArgs {
     #[command(flatten)]
     pub pairs: PairArgs,
     /// Key-value pairs per document (comma separated; one accuracy each).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    #[arg(long, value_delimiter = ',', default_values_t = recall::RecallOptions::default().pair_counts)]
     pub pair_counts: Vec<usize>,
     /// Documents per pair count.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = recall::RecallOptions::default().documents)]
     pub documents: usize,
     /// Real-text filler words after each pair, as LO-HI.
-    #[arg(long, default_value = "0-0", value_parser = parse_range)]
-    pub filler: (usize, usize),
+    #[arg(long, default_value_t = recall::RecallOptions::default().filler.into())]
+    pub filler: Range,
 }
 
 #[derive(Args)]
@@ -165,11 +191,24 @@ pub struct IclArgs {
     #[command(flatten)]
     pub m: ModelOut,
     /// Demonstrations per prompt (k).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = icl::IclOptions::default().shots)]
     pub shots: usize,
     /// Random orders of the same demonstrations.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = icl::IclOptions::default().orders)]
     pub orders: usize,
+    /// Classes of the synthetic task (chance accuracy 1/N; ignored with --data).
+    #[arg(long, default_value_t = icl::IclOptions::default().classes)]
+    pub classes: usize,
+    /// Independent sets of demonstrations (and, for the synthetic task, label words).
+    #[arg(long, default_value_t = icl::IclOptions::default().episodes)]
+    pub episodes: usize,
+    /// Input letters per class in one episode of the synthetic task (0: every letter of the
+    /// class's group of the alphabet; compare's models are trained with 2).
+    #[arg(long, default_value_t = icl::IclOptions::default().letters_per_class)]
+    pub letters: usize,
+    /// Queries scored per order and episode.
+    #[arg(long, default_value_t = icl::IclOptions::default().queries)]
+    pub queries: usize,
     /// JSONL of {"text","label"} (e.g. data/eval/snips_intent.jsonl); default: a synthetic task.
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -209,7 +248,7 @@ pub fn cmd_analyze(what: Instrument) -> Result<()> {
             let opts = recall::RecallOptions {
                 pair_counts: a.pair_counts,
                 documents: a.documents,
-                filler: a.filler,
+                filler: a.filler.into(),
                 pairs: a.pairs.format(),
                 seed: a.m.seed,
                 ..Default::default()
@@ -230,9 +269,12 @@ pub fn cmd_analyze(what: Instrument) -> Result<()> {
             let opts = icl::IclOptions {
                 shots: a.shots,
                 orders: a.orders,
+                classes: a.classes,
+                letters_per_class: a.letters,
+                episodes: a.episodes,
+                queries: a.queries,
                 seed: a.m.seed,
                 data: a.data,
-                ..Default::default()
             };
             (icl::run_icl(&a.m.model, &opts, &a.m.out)?, a.m.out)
         }
@@ -291,23 +333,28 @@ pub struct CompareArgs {
     #[arg(long)]
     pub single_round: bool,
     /// Difficulty: key-value pairs per training recall document, as LO-HI.
-    #[arg(long, default_value = "2-8", value_parser = parse_range)]
-    pub recall_pairs: (usize, usize),
+    #[arg(long, default_value_t = MixtureSpec::default().recall_pairs.into())]
+    pub recall_pairs: Range,
     /// Difficulty: real-text words after each recall pair, as LO-HI (0-0: none).
-    #[arg(long, default_value = "0-0", value_parser = parse_range)]
-    pub recall_filler: (usize, usize),
+    #[arg(long, default_value_t = MixtureSpec::default().recall_filler.into())]
+    pub recall_filler: Range,
     /// Pair counts the recall instrument measures (comma separated).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    #[arg(long, value_delimiter = ',', default_values_t = CompareOptions::default().recall.pair_counts)]
     pub recall_eval: Vec<usize>,
     /// Difficulty: needles per training needle document, as LO-HI.
-    #[arg(long, default_value = "1-6", value_parser = parse_range)]
-    pub needles: (usize, usize),
+    #[arg(long, default_value_t = MixtureSpec::default().needles.into())]
+    pub needles: Range,
     /// Difficulty: classes of the synthetic in-context task in training, as LO-HI.
-    #[arg(long, default_value = "4-4", value_parser = parse_range)]
-    pub icl_classes: (usize, usize),
+    #[arg(long, default_value_t = MixtureSpec::default().classes.into())]
+    pub icl_classes: Range,
     /// Classes of the in-context instrument (chance accuracy 1/N).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = CompareOptions::default().icl.classes)]
     pub icl_eval_classes: usize,
+    /// Difficulty: input letters per class in one in-context episode, in training and in the
+    /// instrument (0: every letter of the class's group of the alphabet). Few letters make inputs
+    /// recur within an episode.
+    #[arg(long, default_value_t = MixtureSpec::default().icl_letters)]
+    pub icl_letters: usize,
     /// Report folder (training runs go to OUT/runs/).
     #[arg(long, default_value = "runs/compare")]
     pub out: PathBuf,
@@ -339,11 +386,12 @@ pub fn cmd_compare(a: CompareArgs) -> Result<()> {
             recall_fraction: a.recall_fraction,
             icl_fraction: a.icl_fraction,
             pairs: a.pairs.format(),
-            recall_pairs: a.recall_pairs,
-            recall_filler: a.recall_filler,
+            recall_pairs: a.recall_pairs.into(),
+            recall_filler: a.recall_filler.into(),
             question_rounds: !a.single_round,
-            needles: a.needles,
-            classes: a.icl_classes,
+            needles: a.needles.into(),
+            classes: a.icl_classes.into(),
+            icl_letters: a.icl_letters,
             ..defaults.mixture.clone()
         },
         recall: difftx_experiments::recall::RecallOptions { pair_counts: a.recall_eval, ..defaults.recall.clone() },

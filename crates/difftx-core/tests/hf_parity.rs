@@ -354,8 +354,11 @@ fn export_roundtrip(cfg: &ModelConfig, name: &str) -> f32 {
     let spread = max_abs_diff(&a, &a.zeros_like().unwrap());
     eprintln!("{name}: export round trip logits max |diff| {diff:e} (max |logit| {spread})");
     assert!(spread > 0.1, "logits too small for a meaningful test");
-    // f32 rounding scales with the logits (presets initialise at 1/√D, so they reach ~20 here).
-    assert!(diff <= 4e-6 * spread.max(2.5), "{name}: round trip max |diff| {diff:e}");
+    // f32 rounding scales with the logits (presets initialise at 1/√D, so they reach ~20 here),
+    // and the export permutes q/k rows (interleaved -> rotate-half), so matmuls sum in another
+    // order; how gemm splits them also depends on the threads free at the time: 7.9e-5 at
+    // |logit| 18 was seen on a busy machine, hence 1e-5 relative rather than 4e-6.
+    assert!(diff <= 1e-5 * spread.max(2.5), "{name}: round trip max |diff| {diff:e}");
     let _ = std::fs::remove_dir_all(&dir);
     diff
 }

@@ -35,6 +35,10 @@ pub struct IclOptions {
     pub shots: usize,
     /// Classes of the synthetic task (ignored with `data`).
     pub classes: usize,
+    /// Input letters per class of the synthetic task in one episode (0: every letter of the
+    /// class's group); compare uses its mixture's `icl_letters`.
+    #[serde(default)]
+    pub letters_per_class: usize,
     /// Random orders of the same demonstrations.
     pub orders: usize,
     /// Independent sets of demonstrations (and, for the synthetic task, label words).
@@ -48,7 +52,17 @@ pub struct IclOptions {
 
 impl Default for IclOptions {
     fn default() -> Self {
-        IclOptions { shots: 8, classes: 2, orders: 10, episodes: 4, queries: 8, seed: 0, data: None }
+        let mixture = crate::mixture::MixtureSpec::default();
+        IclOptions {
+            shots: 8,
+            classes: mixture.classes.0,
+            letters_per_class: mixture.icl_letters,
+            orders: 10,
+            episodes: 4,
+            queries: 8,
+            seed: 0,
+            data: None,
+        }
     }
 }
 
@@ -128,7 +142,7 @@ fn episodes(opts: &IclOptions) -> Result<Vec<Episode>> {
             }
             for e in 0..opts.episodes {
                 let mut rng = StdRng::seed_from_u64(cell_seed(opts.seed, &[31, e as u64]));
-                let task = SyntheticTask::random(opts.classes, &mut rng);
+                let task = SyntheticTask::random(opts.classes, opts.letters_per_class, &mut rng);
                 // demonstrations cover every class when shots allow
                 let mut demos: Vec<(String, usize)> = (0..opts.shots)
                     .map(|i| (task.input_of_class(i % opts.classes, &mut rng), i % opts.classes))

@@ -116,6 +116,12 @@ pub struct MixtureSpec {
     pub shots: (usize, usize),
     /// Number of classes of the synthetic classification task, inclusive range.
     pub classes: (usize, usize),
+    /// Input letters per class in one in-context episode (0: the class's whole group of the
+    /// alphabet, the default). Few letters make inputs recur within an episode, so that copying
+    /// the label that followed the same input answers most queries; at the default budget it did
+    /// not lift the baseline off chance (docs/compare/calibration.md).
+    #[serde(default)]
+    pub icl_letters: usize,
 }
 
 fn default_recall_pairs() -> (usize, usize) {
@@ -138,6 +144,7 @@ impl Default for MixtureSpec {
             question_rounds: true,
             shots: (6, 18),
             classes: (4, 4),
+            icl_letters: 0,
         }
     }
 }
@@ -452,16 +459,39 @@ pub fn recall_chars(fmt: &PairFormat, n: usize) -> usize {
 /// The synthetic in-context task: an input is one lowercase letter; its class is decided by
 /// the letter (the alphabet cut into `classes` equal groups); each episode maps classes to
 /// label words in its own random way, so the labels can only be read off the demonstrations.
+/// An episode may also draw its inputs from only a few letters of each group (`letters`): the
+/// same input then recurs within the episode, and a model can answer by copying the label that
+/// followed it, or, better, by using the group.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticTask {
     pub labels: Vec<String>,
+    /// The input letters of each class in this episode (each a subset of the class's group).
+    pub letters: Vec<Vec<u8>>,
 }
 
 impl SyntheticTask {
-    pub fn random(classes: usize, rng: &mut impl Rng) -> Self {
+    /// A random episode of `classes` classes whose inputs come from `letters_per_class` letters
+    /// of each group (0, or more than a group holds: every letter of the group).
+    pub fn random(classes: usize, letters_per_class: usize, rng: &mut impl Rng) -> Self {
+        let k = classes.clamp(2, LABEL_WORDS.len());
         let mut words: Vec<&str> = LABEL_WORDS.to_vec();
         words.shuffle(rng);
-        SyntheticTask { labels: words[..classes.clamp(2, LABEL_WORDS.len())].iter().map(|s| s.to_string()).collect() }
+        let letters = (0..k)
+            .map(|class| {
+                let mut group: Vec<u8> =
+                    (Self::group_start(class, k)..Self::group_start(class + 1, k)).map(|i| b'a' + i as u8).collect();
+                if letters_per_class > 0 && letters_per_class < group.len() {
+                    group.shuffle(rng);
+                    group.truncate(letters_per_class);
+                }
+                group
+            })
+            .collect();
+        SyntheticTask { labels: words[..k].iter().map(|s| s.to_string()).collect(), letters }
+    }
+    /// First letter index (0 = 'a') of the group of `class` among `k` classes.
+    fn group_start(class: usize, k: usize) -> usize {
+        (class * 26).div_ceil(k)
     }
     /// Class index of an input.
     pub fn class_of(&self, input: &str) -> usize {
@@ -470,12 +500,17 @@ impl SyntheticTask {
     }
     /// A random input of class `class`.
     pub fn input_of_class(&self, class: usize, rng: &mut impl Rng) -> String {
-        let k = self.labels.len();
-        let lo = (class * 26).div_ceil(k);
-        let hi = ((class + 1) * 26).div_ceil(k);
         // One letter: two random letters after it (the earlier format) only added noise between
         // the class and its label, and the baseline stayed at chance (docs/compare/calibration.md).
-        ((b'a' + rng.random_range(lo as u8..hi as u8)) as char).to_string()
+        let letters = &self.letters[class];
+        let k = self.labels.len();
+        let letter = if letters.len() == Self::group_start(class + 1, k) - Self::group_start(class, k) {
+            // the whole group: the draw of mixtures made before `letters` existed (same random stream)
+            letters[0] + rng.random_range(0..letters.len() as u8)
+        } else {
+            letters[rng.random_range(0..letters.len())]
+        };
+        (letter as char).to_string()
     }
     /// `n` examples `(input, label index)`, classes drawn uniformly.
     pub fn examples(&self, n: usize, rng: &mut impl Rng) -> Vec<(String, usize)> {
@@ -499,8 +534,8 @@ pub fn icl_query(input: &str) -> String {
 }
 
 /// One in-context document: `shots` demonstrations then a query with its answer.
-pub fn icl_document(shots: usize, classes: usize, rng: &mut impl Rng) -> String {
-    let task = SyntheticTask::random(classes, rng);
+pub fn icl_document(shots: usize, classes: usize, letters_per_class: usize, rng: &mut impl Rng) -> String {
+    let task = SyntheticTask::random(classes, letters_per_class, rng);
     task.examples(shots + 1, rng)
         .iter()
         .map(|(x, c)| icl_line(x, &task.labels[*c]))
@@ -564,7 +599,7 @@ pub fn build_mixture(spec: &MixtureSpec, text: &str, windows: usize, seed: u64) 
                 _ => {
                     let k = rng.random_range(spec.classes.0..=spec.classes.1);
                     let s = rng.random_range(spec.shots.0..=spec.shots.1).min(max_shots);
-                    icl_document(s, k, &mut rng)
+                    icl_document(s, k, spec.icl_letters, &mut rng)
                 }
             };
             // +1: the newline that separates documents in the token stream.

@@ -190,3 +190,21 @@ fn the_text_loss_reads_the_real_text_documents_of_the_validation_split() {
     assert_eq!(validation_text_documents(&docs, 0.1), vec!["dd".to_string()]);
     assert!(validation_text_documents(&docs, 0.05).is_empty());
 }
+
+#[test]
+fn settings_differences_name_the_fields_and_ignore_float_parsing_noise() {
+    let a = serde_json::json!({"lr": 0.003, "steps": 2400, "model": {"d_ff": 64, "init_std": 0.17677669529663687}});
+    // one ulp off, as serde_json's default parser can read 1/√32 back
+    let b = serde_json::json!({"lr": 0.003, "steps": 2400, "model": {"d_ff": 64, "init_std": 0.1767766952966369}});
+    assert!(differing_fields(&a, &b, "").is_empty());
+    let c = serde_json::json!({"lr": 0.004, "steps": 2401, "model": {"d_ff": 96, "init_std": 0.1767766952966369}});
+    assert_eq!(
+        differing_fields(&a, &c, ""),
+        ["lr: 0.003 there, 0.004 now", "model.d_ff: 64 there, 96 now", "steps: 2400 there, 2401 now"]
+    );
+    // integers are compared exactly, however large
+    let big = |n: u64| serde_json::json!({ "checkpoint_every": n });
+    assert_eq!(differing_fields(&big(u64::MAX), &big(u64::MAX - 1), "").len(), 1);
+    // a field only one side has
+    assert_eq!(differing_fields(&serde_json::json!({"x": 1}), &serde_json::json!({}), ""), ["x: 1 there, null now"]);
+}

@@ -71,7 +71,7 @@ fn synthetic_run_reports_orders_and_margin() {
         margins.push(m);
     }
     assert!((v["margin"].as_f64().unwrap() - (margins[0] + margins[1]) / 2.0).abs() < 1e-12);
-    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 0.5);
+    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 1.0 / opts.classes as f64);
     // deterministic
     let again = run_icl(dir.path(), &opts, &dir.path().join("out2")).unwrap();
     assert_eq!(v["episodes"], again["episodes"]);
@@ -142,7 +142,7 @@ fn oracle_scorers_give_known_accuracy_and_margin() {
     .unwrap();
     assert_eq!(v["mean_accuracy"].as_f64().unwrap(), 1.0);
     assert_eq!(v["margin"].as_f64().unwrap(), 0.0);
-    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 0.5);
+    assert_eq!(v["chance_accuracy"].as_f64().unwrap(), 1.0 / opts.classes as f64);
     // recency bias: always the last demonstration's label -> accuracy depends on the order
     let v = evaluate_icl(&tok, &opts, 100_000, &mut |p, l| {
         let (demos, _, label) = parse(&tok, p, l);

@@ -188,17 +188,32 @@ fn insertion_respects_depth() {
 fn synthetic_task_classes_are_consistent() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     for k in 2..=6 {
-        let task = SyntheticTask::random(k, &mut rng);
-        assert_eq!(task.labels.len(), k);
-        for c in 0..k {
-            for _ in 0..20 {
-                let x = task.input_of_class(c, &mut rng);
-                assert_eq!(task.class_of(&x), c, "k={k} x={x}");
+        for letters in [0, 1, 2, 30] {
+            let task = SyntheticTask::random(k, letters, &mut rng);
+            assert_eq!(task.labels.len(), k);
+            // every letter belongs to exactly one class; `letters` of them per class (all when 0 or too many)
+            let mut seen = std::collections::BTreeSet::new();
+            for c in 0..k {
+                let group = (0..26u8).filter(|&i| (i as usize * k) / 26 == c).count();
+                let expect = if letters == 0 || letters >= group { group } else { letters };
+                assert_eq!(task.letters[c].len(), expect, "k={k} letters={letters} class {c}");
+                let mut used = std::collections::BTreeSet::new();
+                for _ in 0..300 {
+                    let x = task.input_of_class(c, &mut rng);
+                    assert_eq!(task.class_of(&x), c, "k={k} x={x}");
+                    used.insert(x.clone());
+                    assert!(seen.insert(x.clone()) || used.contains(&x), "{x} used by two classes");
+                }
+                assert_eq!(used.len(), expect, "k={k} letters={letters}: every chosen letter is drawn");
             }
         }
     }
-    let doc = icl_document(4, 2, &mut rng);
+    let doc = icl_document(4, 2, 0, &mut rng);
     assert_eq!(doc.lines().count(), 5);
+    // with one letter per class a document uses at most two distinct inputs
+    let doc = icl_document(12, 2, 1, &mut rng);
+    let inputs: std::collections::BTreeSet<&str> = doc.lines().map(|l| &l[..1]).collect();
+    assert!(inputs.len() <= 2, "{doc}");
 }
 
 #[test]

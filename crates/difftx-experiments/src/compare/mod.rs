@@ -163,7 +163,7 @@ impl Default for CompareOptions {
             needle: NeedleOptions { trials: 3, ..Default::default() },
             recall: RecallOptions::default(),
             attention: AttentionOptions { trials: 3, ..Default::default() },
-            icl: IclOptions { classes: 4, orders: 8, episodes: 3, queries: 8, ..Default::default() },
+            icl: IclOptions { orders: 8, episodes: 8, queries: 12, ..Default::default() },
             eval_tokens: 4096,
             progress: false,
         }
@@ -306,6 +306,7 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
     } else {
         opts.icl.clone()
     };
+    let icl = IclOptions { letters_per_class: mixture.icl_letters, ..icl };
     let steps_for_docs = match budget {
         Budget::Steps(s) => s,
         Budget::Seconds(_) => 4 * DEFAULT_STEPS,
@@ -431,15 +432,42 @@ fn check_reusable(p: &Plan) -> Result<bool> {
     if !done.exists() {
         bail!("compare: {} holds an unfinished run; remove it or choose another --out", p.dir.display());
     }
-    let old = trainer::read_options(&p.dir)?;
-    if serde_json::to_value(&old)? != serde_json::to_value(&p.topts)? {
+    let old = serde_json::to_value(trainer::read_options(&p.dir)?)?;
+    let new = serde_json::to_value(&p.topts)?;
+    if !differing_fields(&old, &new, "").is_empty() {
         bail!(
-            "compare: {} holds a run with different settings (budget, batch, model, mixture or seed); remove it or \
-             choose another --out",
-            p.dir.display()
+            "compare: {} holds a run with different settings ({}); remove it or choose another --out",
+            p.dir.display(),
+            differing_fields(&old, &new, "").join(", ")
         );
     }
     Ok(true)
+}
+
+/// The fields (`model.d_ff: 64 there, 96 now`) that differ between two JSON objects. Numbers
+/// equal to 1e-12 relative count as equal: serde_json's default float parsing can return a
+/// neighbouring f64 of the one written (1/√32 came back one ulp off), which must not make a
+/// finished run unusable.
+pub fn differing_fields(a: &serde_json::Value, b: &serde_json::Value, prefix: &str) -> Vec<String> {
+    if let (true, Some(x), Some(y)) = (a.is_f64() && b.is_f64(), a.as_f64(), b.as_f64()) {
+        if (x - y).abs() <= 1e-12 * x.abs().max(y.abs()) {
+            return Vec::new();
+        }
+    }
+    match (a, b) {
+        (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter()
+                .flat_map(|k| {
+                    let null = serde_json::Value::Null;
+                    let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    differing_fields(x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null), &path)
+                })
+                .collect()
+        }
+        _ if a != b => vec![format!("{prefix}: {a} there, {b} now")],
+        _ => Vec::new(),
+    }
 }
 
 /// Every instrument on one run (the outputs go to `analysis/`).

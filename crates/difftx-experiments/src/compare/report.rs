@@ -314,7 +314,7 @@ fn draw_plots(out: &Path, s: &Settings, runs: &[RunResult]) -> Result<Vec<(&'sta
     let (loss, delta) = loss_bands(s, runs);
     crate::plot::draw_loss_panels(
         &out.join("loss_curves.png"),
-        "validation loss vs tokens (mean and 95% CI over seeds); right: difference to the baseline",
+        "loss on the mixture's validation split vs tokens (mean, 95% CI over seeds); right: minus the baseline",
         &loss,
         &delta,
     )?;
@@ -498,7 +498,8 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
     md.push_str(&format!(
         "Mixture (about {} characters in documents of at most {} characters, windows start at document starts; \
          shares of characters): text {:.2}, needle {:.2}, recall {:.2}, in-context {:.2}; keys of {} letter(s) from {}, values of {} digit(s); {}–{} needles per needle \
-         document, {}–{} pairs per recall document (filler {}–{} words), {}–{} demonstrations of {}–{} classes.\n\n",
+         document, {}–{} pairs per recall document (filler {}–{} words), {}–{} demonstrations of {}–{} classes \
+         ({} input letter(s) per class in an episode).\n\n",
         s.windows * m.doc_chars,
         m.doc_chars,
         m.text_fraction,
@@ -518,7 +519,15 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
         m.shots.1,
         m.classes.0,
         m.classes.1,
+        if m.icl_letters == 0 { "all".to_string() } else { m.icl_letters.to_string() },
     ));
+    if runs.iter().all(|r| !r.value("train", LM_LOSS).is_finite()) {
+        md.push_str(
+            "**No loss on real text.** The mixture's validation split holds no real-text document (text \
+             fraction 0, or too little text), so \"loss on real text\" is undefined (null in report.json), and \
+             the parameter-efficiency fit and the norm ablation, which read it, have no value.\n\n",
+        );
+    }
     md.push_str(&format!("Paper numbers: {}.\n\n", claims::PAPER_SOURCE));
     md.push_str(
         "**How to read the verdicts.** Each arm is compared with the baseline on paired per-seed differences \
