@@ -309,22 +309,20 @@ pub struct NeedleDocument {
 impl NeedleDocument {
     /// The body, then each question on a new line with its answer.
     pub fn text(&self) -> String {
-        let mut s = self.body.clone();
-        for (k, v) in &self.asked {
-            s.push('\n');
-            s.push_str(&needle_question(k));
-            s.push_str(v);
-        }
-        s
+        self.as_queries().text()
     }
 
     /// [`text`](Self::text), then the questions asked again in reshuffled rounds as many times
     /// as fit in `max_chars` (training documents: see [`RecallDocument::text_with_rounds`]).
     pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
-        let mut s = self.text();
-        let items: Vec<String> = self.asked.iter().map(|(k, v)| format!("{}{v}", needle_question(k))).collect();
-        push_rounds(&mut s, &items, "\n", max_chars, rng);
-        s
+        self.as_queries().rounds(max_chars, "\n", rng)
+    }
+
+    /// The same document in the shape of a recall document: the body, then `(prefix, value)`
+    /// queries whose prefix is a new line and the question.
+    fn as_queries(&self) -> RecallDocument {
+        let queries = self.asked.iter().map(|(k, v)| (format!("\n{}", needle_question(k)), v.clone())).collect();
+        RecallDocument { context: self.body.clone(), queries }
     }
 }
 
@@ -409,9 +407,15 @@ impl RecallDocument {
     /// window then keeps one value, so copying from context always pays, and a window holds one
     /// episode instead of several whose keys clash (docs/compare/calibration.md).
     pub fn text_with_rounds(&self, max_chars: usize, rng: &mut impl Rng) -> String {
+        self.rounds(max_chars, " ", rng)
+    }
+
+    /// [`text`](Self::text), then rounds of the queries (prefixes without their leading
+    /// whitespace, separated by `sep`) while they fit in `max_chars`.
+    fn rounds(&self, max_chars: usize, sep: &str, rng: &mut impl Rng) -> String {
         let mut s = self.text();
         let items: Vec<String> = self.queries.iter().map(|(p, v)| format!("{}{v}", p.trim_start())).collect();
-        push_rounds(&mut s, &items, " ", max_chars, rng);
+        push_rounds(&mut s, &items, sep, max_chars, rng);
         s
     }
 }
@@ -502,15 +506,10 @@ impl SyntheticTask {
     pub fn input_of_class(&self, class: usize, rng: &mut impl Rng) -> String {
         // One letter: two random letters after it (the earlier format) only added noise between
         // the class and its label, and the baseline stayed at chance (docs/compare/calibration.md).
+        // A u8 draw: for a whole group it is the draw of mixtures made before `letters` existed
+        // (same random stream, so the committed mixtures are unchanged).
         let letters = &self.letters[class];
-        let k = self.labels.len();
-        let letter = if letters.len() == Self::group_start(class + 1, k) - Self::group_start(class, k) {
-            // the whole group: the draw of mixtures made before `letters` existed (same random stream)
-            letters[0] + rng.random_range(0..letters.len() as u8)
-        } else {
-            letters[rng.random_range(0..letters.len())]
-        };
-        (letter as char).to_string()
+        (letters[rng.random_range(0..letters.len() as u8) as usize] as char).to_string()
     }
     /// `n` examples `(input, label index)`, classes drawn uniformly.
     pub fn examples(&self, n: usize, rng: &mut impl Rng) -> Vec<(String, usize)> {
