@@ -11,7 +11,8 @@ at bench-s: 6 layers, D 256, 8 heads (d 32), SwiGLU 704, vocab 256, f32, torch t
   whose peak RSS (VmHWM) is reported, including its baseline (interpreter, torch, the layer).
 
 Usage: /tmp/hfvenv/bin/python bench/pytorch_ref.py [--quick] [--families baseline,diff-v1]
-       [--steps 10] [--attn-lengths 4096,16384,65536]
+       [--steps 10] [--attn-lengths 4096,16384,65536] [--no-attn] [--no-train]
+bench/side_by_side.py runs this and `difftx bench` in alternation and prints the ratios.
 Not part of the tests (needs torch + transformers).
 """
 import argparse
@@ -133,6 +134,7 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--attn-lengths", default="4096,16384,65536")
     ap.add_argument("--no-attn", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="skip the training measurements")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attn-child", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
@@ -151,7 +153,7 @@ def main():
     if a.quick:
         lengths = [256, 512]
     train, decode, attn = {}, {}, {}
-    for f in families:
+    for f in families if not a.no_train else []:
         print(f"pytorch_ref: training {f} ...", file=sys.stderr)
         train[f] = bench_train(f, batch, seq, warmup, steps)
         print(f"pytorch_ref: {json.dumps(train[f])}", file=sys.stderr)

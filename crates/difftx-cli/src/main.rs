@@ -5,9 +5,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
-use difftx_core::generate::{generate, Sampler, SamplingParams};
+use difftx_core::generate::{generate, generate_fused, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
-use difftx_core::{Family, Kernels, ModelConfig, WeightFormat};
+use difftx_core::{Decoder, Family, Kernels, ModelConfig, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
 use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
@@ -222,6 +222,11 @@ struct GenerateArgs {
     /// Weight format of the linear layers: f32, q8_0 (8-bit) or q4k (4-bit).
     #[arg(long, default_value = "f32")]
     weights: WeightFormat,
+    /// Decoding precision: f32, or bf16 (the fused decoder stores the linear layers' weights in
+    /// bf16, half the bytes per token, and computes in f32; the prompt runs in f32). Needs
+    /// `--weights f32`.
+    #[arg(long, default_value = "f32")]
+    precision: WeightPrecision,
 }
 
 #[derive(Args)]
@@ -435,6 +440,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             "ROMEO:",
             a.sample_tokens,
             SamplingParams { temperature: 0.8, seed: 0, ..Default::default() },
+            WeightPrecision::F32,
         )?;
         println!();
     }
@@ -451,17 +457,27 @@ fn stream_generate(
     prompt: &str,
     n: usize,
     params: SamplingParams,
+    precision: WeightPrecision,
 ) -> Result<()> {
     let ids = tok.encode(prompt)?;
     let mut sampler = Sampler::new(params)?;
     let mut out = std::io::stdout().lock();
     write!(out, "{prompt}")?;
     let mut dec = StreamDecoder::new(tok);
-    generate(model, &ids, n, &mut sampler, |id| {
+    let on_token = |id| {
         write!(out, "{}", dec.push(id)?)?;
         out.flush()?;
         Ok(())
-    })?;
+    };
+    match precision {
+        WeightPrecision::F32 => generate(model, &ids, n, &mut sampler, on_token)?,
+        WeightPrecision::Bf16 => {
+            if !Decoder::supports(model) {
+                bail!("--precision bf16 runs the fused decoder, which needs f32 weights: drop --weights");
+            }
+            generate_fused(&Decoder::with_precision(model, precision)?, &ids, n, &mut sampler, on_token)?
+        }
+    };
     write!(out, "{}", dec.finish()?)?;
     out.flush()?;
     Ok(())
@@ -482,7 +498,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let params = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
-    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params)?;
+    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, a.precision)?;
     println!();
     Ok(())
 }
@@ -611,6 +627,12 @@ struct BenchArgs {
     /// Skip the reference-kernel training measurement.
     #[arg(long)]
     no_reference: bool,
+    /// Skip every training measurement (decode and attn-long only).
+    #[arg(long)]
+    no_train: bool,
+    /// Numbers of sequences the fused decoder steps together (comma separated; default 1,4,16).
+    #[arg(long, value_delimiter = ',')]
+    decode_batches: Option<Vec<usize>>,
     /// A smoke run on small shapes (seconds), not the benchmark shapes.
     #[arg(long)]
     quick: bool,
@@ -634,6 +656,10 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     opts.attn_families.retain(|f| opts.families.contains(f));
     if opts.reference_family.is_some_and(|f| !opts.families.contains(&f)) || a.no_reference {
         opts.reference_family = None;
+    }
+    opts.train = !a.no_train;
+    if let Some(b) = a.decode_batches {
+        opts.decode_batches = b;
     }
     opts.steps = a.steps.unwrap_or(opts.steps);
     opts.warmup_steps = a.warmup_steps.unwrap_or(opts.warmup_steps);

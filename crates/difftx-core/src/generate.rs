@@ -1,5 +1,6 @@
 //! Autoregressive generation with a KV cache: greedy, temperature, top-k and top-p sampling.
 
+use crate::model::decode::Decoder;
 use crate::model::{last_logits, KvCache, Model};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -95,12 +96,15 @@ impl Sampler {
 
 /// Generates up to `max_new` tokens after `prompt`, calling `on_token` with each as it is made.
 /// Stops early at the model's context length. Returns the new tokens.
+///
+/// Runs the fused decoder (`Decoder`) where it applies, else `Model::forward` with a KV cache
+/// (quantised layers, probes, f64 or reference-kernel models); both give the same tokens.
 pub fn generate(
     model: &Model,
     prompt: &[u32],
     max_new: usize,
     sampler: &mut Sampler,
-    mut on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
     let ctx = model.config().max_seq_len;
     if prompt.is_empty() {
@@ -109,6 +113,47 @@ pub fn generate(
     if prompt.len() > ctx {
         bail!("the prompt is {} tokens long, longer than the model's context of {ctx} tokens", prompt.len());
     }
+    if Decoder::supports(model) {
+        generate_fused(&Decoder::new(model)?, prompt, max_new, sampler, on_token)
+    } else {
+        generate_with_forward(model, prompt, max_new, sampler, on_token)
+    }
+}
+
+/// `generate` on the fused decoder.
+pub fn generate_fused(
+    decoder: &Decoder,
+    prompt: &[u32],
+    max_new: usize,
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(max_new);
+    if max_new == 0 {
+        return Ok(out);
+    }
+    let mut seq = decoder.new_sequence();
+    let mut logits = decoder.prefill(&mut seq, prompt)?;
+    loop {
+        let next = sampler.sample(&logits);
+        on_token(next)?;
+        out.push(next);
+        if out.len() == max_new || seq.len() >= decoder.max_seq_len() {
+            return Ok(out);
+        }
+        logits = decoder.step(&mut [&mut seq], &[next])?;
+    }
+}
+
+/// `generate` through `Model::forward` with a KV cache (the general path).
+pub fn generate_with_forward(
+    model: &Model,
+    prompt: &[u32],
+    max_new: usize,
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let ctx = model.config().max_seq_len;
     let mut cache = KvCache::new(model.config());
     let device = model.device();
     let mut out = Vec::with_capacity(max_new);

@@ -5,6 +5,8 @@
 //! flat map (`model.layers.N.self_attn.q_proj.weight`, ...), the same names Hugging Face Llama and
 //! DiffLlama use, so checkpoint code never reaches into the model.
 
+pub mod decode;
+
 use crate::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use crate::ops::{self, Kernels};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};

@@ -15,6 +15,8 @@
 //! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
+//! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
+//!   row, SwiGLU) for the fused decoder; inference only, no backward.
 //!
 //! What it must not touch: no model, no configuration, no I/O, no checkpoints, no allocator
 //! choices. Everything is a pure function of its input tensors. Each kernel is written as plain
@@ -23,6 +25,7 @@
 //! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
 mod cpu;
+pub mod decode;
 mod diff_combine;
 mod flash;
 mod float;

@@ -6,7 +6,9 @@
 //! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
-//!   KV cache, greedy — the library's own `generate`.
+//!   greedy — the library's own `generate` (the fused decoder), the tensor path beside it, and
+//!   the fused decoder stepping `decode_batches` sequences at once.
+//! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
 //!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
 //!   fresh child process (the caller says how to start it) so that its peak resident memory
@@ -22,8 +24,9 @@
 use crate::optim::{grad_norm, AdamW, AdamWParams};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use difftx_core::generate::{generate, Sampler, SamplingParams};
+use difftx_core::generate::{generate, generate_fused, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
+use difftx_core::{Decoder, WeightPrecision};
 use difftx_core::{Family, Kernels, ModelConfig};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Map, Value};
@@ -44,6 +47,8 @@ pub enum AttnRunner {
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
     pub families: Vec<Family>,
+    /// Measure training (false: decode and attn-long only).
+    pub train: bool,
     /// Model preset for training and decoding (docs/design.md §4.3: `bench-s`).
     pub preset: String,
     pub batch_size: usize,
@@ -54,6 +59,8 @@ pub struct BenchOptions {
     pub reference_family: Option<Family>,
     pub reference_steps: usize,
     pub decode_tokens: usize,
+    /// Numbers of sequences decoded together by the fused decoder (empty: skip).
+    pub decode_batches: Vec<usize>,
     pub prompt_tokens: usize,
     /// Sequence lengths of the attn-long measurement (empty: skip).
     pub attn_lengths: Vec<usize>,
@@ -68,6 +75,7 @@ impl BenchOptions {
     pub fn full(attn_runner: AttnRunner) -> Self {
         BenchOptions {
             families: Family::ALL.to_vec(),
+            train: true,
             preset: "bench-s".into(),
             batch_size: 8,
             seq_len: 256,
@@ -76,6 +84,7 @@ impl BenchOptions {
             reference_family: Some(Family::DiffV1),
             reference_steps: 4,
             decode_tokens: 256,
+            decode_batches: vec![1, 4, 16],
             prompt_tokens: 16,
             attn_lengths: vec![4096, 16384, 65536],
             attn_families: vec![Family::Baseline, Family::DiffV1],
@@ -88,6 +97,7 @@ impl BenchOptions {
     pub fn quick(attn_runner: AttnRunner) -> Self {
         BenchOptions {
             families: Family::ALL.to_vec(),
+            train: true,
             preset: "tiny".into(),
             batch_size: 2,
             seq_len: 64,
@@ -96,6 +106,7 @@ impl BenchOptions {
             reference_family: Some(Family::DiffV1),
             reference_steps: 1,
             decode_tokens: 8,
+            decode_batches: vec![1, 3],
             prompt_tokens: 4,
             attn_lengths: vec![256, 512],
             attn_families: vec![Family::Baseline, Family::DiffV1],
@@ -217,26 +228,90 @@ fn bench_train(opts: &BenchOptions, family: Family, kernels: Kernels, steps: usi
     }))
 }
 
-/// Decode throughput: greedy, batch 1, KV cache.
+/// Decode throughput, greedy: batch 1 through `generate` (the fused decoder, prompt included)
+/// and through the tensor path (`Model::forward` with a KV cache) side by side, then the fused
+/// decoder stepping several sequences at once.
 fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
     let cfg = bench_config(opts, family)?;
     let (model, _) = build(&cfg, opts.seed)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed + 1);
     let prompt = random_ids(&mut rng, opts.prompt_tokens.max(1), cfg.vocab_size);
-    let mut sampler = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() })?;
-    // One short untimed run warms the allocator and caches.
-    generate(&model, &prompt, 4.min(opts.decode_tokens), &mut sampler, |_| Ok(()))?;
+    let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
+    let timed = |fused: bool| -> Result<(Vec<u32>, f64)> {
+        let run = |n| -> Result<Vec<u32>> {
+            if fused {
+                generate(&model, &prompt, n, &mut greedy()?, |_| Ok(()))
+            } else {
+                generate_with_forward(&model, &prompt, n, &mut greedy()?, |_| Ok(()))
+            }
+        };
+        run(4.min(opts.decode_tokens))?; // warms the allocator and caches
+        let t0 = Instant::now();
+        let out = run(opts.decode_tokens)?;
+        Ok((out, t0.elapsed().as_secs_f64()))
+    };
+    let (out, secs) = timed(true)?;
+    let (out_forward, secs_forward) = timed(false)?;
+    // bf16 weights through the same fused decoder (tokens may differ from f32: not compared).
+    let bf16 = Decoder::with_precision(&model, WeightPrecision::Bf16)?;
+    generate_fused(&bf16, &prompt, 4.min(opts.decode_tokens), &mut greedy()?, |_| Ok(()))?;
     let t0 = Instant::now();
-    let out = generate(&model, &prompt, opts.decode_tokens, &mut sampler, |_| Ok(()))?;
-    let secs = t0.elapsed().as_secs_f64();
+    let out_bf16 = generate_fused(&bf16, &prompt, opts.decode_tokens, &mut greedy()?, |_| Ok(()))?;
+    let secs_bf16 = t0.elapsed().as_secs_f64();
     if out.len() != opts.decode_tokens {
         bail!("decode produced {} tokens, expected {}", out.len(), opts.decode_tokens);
     }
+    if out != out_forward {
+        bail!("the fused decoder and the forward path chose different greedy tokens ({family})");
+    }
+    let per_sec = |n: usize, secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
+    let decoder = Decoder::new(&model)?;
+    let mut batched = Map::new();
+    for &b in &opts.decode_batches {
+        let mut seqs: Vec<_> = (0..b).map(|_| decoder.new_sequence()).collect();
+        let mut tokens = Vec::with_capacity(b);
+        for seq in seqs.iter_mut() {
+            let logits = decoder.prefill(seq, &prompt)?;
+            tokens.push(greedy()?.sample(&logits));
+        }
+        let t0 = Instant::now();
+        for _ in 0..opts.decode_tokens.saturating_sub(1) {
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let logits = decoder.step(&mut refs, &tokens)?;
+            let mut sampler = greedy()?;
+            tokens = logits.chunks_exact(cfg.vocab_size).map(|row| sampler.sample(row)).collect();
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        batched.insert(b.to_string(), json!(per_sec(b * opts.decode_tokens.saturating_sub(1), secs)));
+    }
     Ok(json!({
-        "tokens_per_sec": (out.len() as f64 / secs * 10.0).round() / 10.0,
+        "tokens_per_sec": per_sec(out.len(), secs),
+        "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
+        "tokens_per_sec_bf16_weights": per_sec(out_bf16.len(), secs_bf16),
+        "batched_tokens_per_sec": batched,
         "new_tokens": out.len(), "prompt_tokens": prompt.len(), "secs": (secs * 1e3).round() / 1e3,
         "includes_prefill": true,
+        "notes": "tokens_per_sec: generate (fused decoder, f32); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_bf16_weights: the fused decoder with bf16 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
     }))
+}
+
+/// The CPU's model name and the instruction-set extensions the kernels care about.
+pub fn cpu_info() -> Value {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
+    };
+    let flags = field("flags").unwrap_or_default();
+    let have: Vec<&str> = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"]
+        .into_iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    json!({
+        "model": field("model name"),
+        "family": field("cpu family"), "model_number": field("model"),
+        "logical_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "isa": have,
+    })
 }
 
 /// `VmHWM` (peak resident set) and `VmRSS` of this process in MiB, from /proc/self/status.
@@ -318,14 +393,14 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     }
     let mut train = Map::new();
     let mut decode = Map::new();
-    for &f in &opts.families {
+    for &f in opts.families.iter().filter(|_| opts.train) {
         eprintln!("bench: training {f} ...");
         let r = bench_train(opts, f, Kernels::Fused, opts.steps)?;
         eprintln!("bench: {r}");
         train.insert(f.as_str().into(), r);
     }
     let mut reference = Map::new();
-    if let Some(f) = opts.reference_family {
+    if let Some(f) = opts.reference_family.filter(|_| opts.train) {
         eprintln!("bench: training {f} with reference kernels ...");
         let r = bench_train(opts, f, Kernels::Reference, opts.reference_steps.max(1))?;
         eprintln!("bench: {r}");
@@ -372,6 +447,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     }
     Ok(json!({
         "engine": "difftx",
+        "cpu": cpu_info(),
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "env": {"CANDLE_NUM_THREADS": std::env::var("CANDLE_NUM_THREADS").ok(), "RAYON_NUM_THREADS": std::env::var("RAYON_NUM_THREADS").ok()},
         "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",

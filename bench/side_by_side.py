@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""difftx against PyTorch / Hugging Face on the same shapes, side by side, in one run.
+
+Runs `difftx bench` and `bench/pytorch_ref.py` alternately for a few rounds on this machine and
+prints one JSON report: the CPU (from difftx's report), every round's tokens/s of both engines, and
+the ratios of each round (difftx / PyTorch), so that machine noise shows as spread between rounds
+rather than as a bias of one engine.
+
+Usage:
+    python3 bench/side_by_side.py --python /tmp/hfvenv/bin/python [--rounds 2] [--no-train]
+        [--no-attn] [--steps 10] [--difftx ./target/release/difftx]
+
+The PyTorch interpreter needs torch and transformers (`pip install torch transformers` in a venv).
+Stdlib only here; not part of the tests.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_json(cmd):
+    print("side_by_side: " + " ".join(cmd), file=sys.stderr)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"side_by_side: {cmd[0]} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def get(report, *path):
+    for key in path:
+        if not isinstance(report, dict) or key not in report:
+            return None
+        report = report[key]
+    return report
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", required=True, help="interpreter with torch and transformers")
+    ap.add_argument("--difftx", default=os.path.join(HERE, "..", "target", "release", "difftx"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--no-attn", action="store_true")
+    a = ap.parse_args()
+
+    common = ["--families", "baseline,diff-v1", "--steps", str(a.steps)]
+    if a.no_train:
+        common.append("--no-train")
+    if a.no_attn:
+        common.append("--no-attn")
+    rounds = []
+    cpu = None
+    for r in range(a.rounds):
+        ours = run_json([a.difftx, "bench", "--no-reference", *common])
+        theirs = run_json([a.python, os.path.join(HERE, "pytorch_ref.py"), *common])
+        cpu = ours.get("cpu", cpu)
+        row = {"round": r + 1, "difftx": {}, "pytorch": {}, "ratio_difftx_over_pytorch": {}}
+        for part in ["train", "decode"]:
+            for fam in ["baseline", "diff-v1"]:
+                key = f"{part}_{fam}_tokens_per_sec"
+                x, y = get(ours, part, fam, "tokens_per_sec"), get(theirs, part, fam, "tokens_per_sec")
+                row["difftx"][key], row["pytorch"][key] = x, y
+                if x and y:
+                    row["ratio_difftx_over_pytorch"][key] = round(x / y, 3)
+        for key in ["train_step_time_diff-v1_over_baseline", "decode_time_diff-v1_over_baseline"]:
+            row["difftx"][key] = get(ours, "ratios", key)
+            row["pytorch"][key] = get(theirs, "ratios", key)
+        for fam in ["baseline", "diff-v1"]:
+            row["difftx"][f"decode_{fam}_batched_tokens_per_sec"] = get(ours, "decode", fam, "batched_tokens_per_sec")
+            row["difftx"][f"decode_{fam}_forward_path_tokens_per_sec"] = get(ours, "decode", fam, "tokens_per_sec_forward_path")
+        if not a.no_attn:
+            row["difftx"]["attn_long"] = ours.get("attn_long")
+            row["pytorch"]["attn_long"] = theirs.get("attn_long")
+        rounds.append(row)
+        print(json.dumps(row["ratio_difftx_over_pytorch"]), file=sys.stderr)
+    print(json.dumps({"cpu": cpu, "pytorch_engine": theirs.get("engine"), "rounds": rounds}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH` (for perf).
+use candle_core::{DType, Device, Tensor};
+use difftx_core::model::{init_weights, Model};
+use difftx_core::{Decoder, Family, ModelConfig};
+use std::collections::HashMap;
+
+fn main() -> anyhow::Result<()> {
+    let family: Family = std::env::args().nth(1).unwrap_or("diff-v1".into()).parse().map_err(anyhow::Error::msg)?;
+    let batch: usize = std::env::args().nth(2).map_or(Ok(1), |s| s.parse())?;
+    let cfg = ModelConfig::preset("bench-s", family)?;
+    let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
+    let m = Model::from_weights(&cfg, &w)?;
+    let dec = Decoder::new(&m)?;
+    let mut seqs: Vec<_> = (0..batch).map(|_| dec.new_sequence()).collect();
+    let (rounds, steps) = (4, cfg.max_seq_len - 16);
+    let mut secs = 0.0;
+    for _ in 0..rounds {
+        for s in seqs.iter_mut() {
+            dec.prefill(s, &(0..16).collect::<Vec<u32>>())?;
+        }
+        let mut toks = vec![5u32; batch];
+        let t0 = std::time::Instant::now();
+        for _ in 0..steps {
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let logits = dec.step(&mut refs, &toks)?;
+            toks = logits
+                .chunks(cfg.vocab_size)
+                .map(|r| r.iter().position(|&v| v == r.iter().cloned().fold(f32::MIN, f32::max)).unwrap_or(0) as u32)
+                .collect();
+        }
+        secs += t0.elapsed().as_secs_f64();
+    }
+    let n = (rounds * steps) as f64;
+    println!("{family} batch {batch}: {:.1} tok/s, {:.3} ms/step", n * batch as f64 / secs, secs / n * 1e3);
+    Ok(())
+}

@@ -1,0 +1,473 @@
+//! The fused decoder: one new token for each of several sequences per step, on plain f32 buffers
+//! and a growing KV cache per sequence (docs/design.md §5.1).
+//!
+//! `Model::forward` with a KV cache runs about forty tensor ops per layer for each new token; at
+//! batch 1 their allocation and dispatch cost more than the arithmetic. The decoder runs the same
+//! equations as `Model::forward` directly on slices (`difftx_kernels::decode`):
+//!
+//! ```text
+//! h = RMSNorm(x)·g_in
+//! [q | k | v | λ-logits] = h·[Wq; Wk; Wv; Wλ]ᵀ          one matrix-vector pass (λ: diff-v2 only)
+//! q, k ← RoPE at the sequence's position; k, v appended to the sequence's cache
+//! baseline  o_i = Σ_s softmax_s(q_i·k_s/√d)·v_s
+//! diff-v1   o_j = (1 − λ_init)·SubLN( Σ_s (p1_s − λ·p2_s)·[v1_s | v2_s] )
+//! diff-v2   o_j = Σ_s (p_{2j,s} − σ(λ-logit_j)·p_{2j+1,s})·v_s
+//! x += o·Woᵀ;  h = RMSNorm(x)·g_post;  [gate | up] = h·[Wg; Wu]ᵀ;  x += (silu(gate)·up)·Wdᵀ
+//! logits = (RMSNorm(x)·g_final)·W_headᵀ
+//! ```
+//!
+//! Both maps of a differential head are weighed into one value pass (`p1 − λ·p2`), so the maps
+//! are never materialised as outputs and never concatenated. Sequences in one step may sit at
+//! different positions (a server's batch). The prompt itself is run by `Model::forward` (one
+//! batched pass, the tested path) and its keys and values copied into the cache.
+//!
+//! The decoder holds an f32 snapshot of the weights taken at construction; it covers f32 models
+//! on the CPU with the fused kernels and no quantisation probes (`Decoder::supports`), which is
+//! every model `generate` meets outside the experiments' probes.
+
+use super::{AttnKind, KvCache, Linear, Model, SubLayerNorm};
+use crate::config::{HeadPairing, RopeStyle};
+use crate::ops::Kernels;
+use anyhow::{bail, ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use difftx_kernels::decode::{
+    matmul_packed, softmax_scores, swiglu_rows, weighted_values, PackedWeight, WeightPrecision,
+};
+
+/// How a layer turns its heads' attention into its output features.
+enum Mix {
+    /// Head i attends with kv head i / (n_q / n_kv).
+    Baseline,
+    /// Pair j: heads `pairing.pair(j, n_q)` with kv pair j / group; output width 2d per pair.
+    DiffV1 {
+        lambda: f32,
+        /// (1 − λ_init)·g per feature of a pair's 2d outputs (g = 1 when the norm has no gain).
+        out_gain: Vec<f32>,
+        /// RMS-normalise each pair's output first (false: the "no GroupNorm" ablation).
+        normalise: bool,
+        eps: f32,
+    },
+    /// Pair j: heads 2j and 2j+1 (one kv group), λ_j = σ(λ-logit_j) per token.
+    DiffV2,
+}
+
+struct LayerWeights {
+    input_norm: Vec<f32>,
+    /// Wq, Wk, Wv (and diff-v2's Wλ) stacked: outputs [q | k | v (| λ-logits)].
+    qkv: PackedWeight,
+    o_proj: PackedWeight,
+    post_norm: Vec<f32>,
+    /// W_gate and W_up stacked: outputs [gate | up].
+    gate_up: PackedWeight,
+    down: PackedWeight,
+    mix: Mix,
+}
+
+/// The keys and values of one sequence. Layer l's keys are feature-major, `[n_kv, d, cap]` in
+/// `k[l]` (the scores of many positions are then summed side by side); its values are
+/// position-major, `[len, n_kv, d]` in `v[l]` (a weighted sum of rows). Capacity doubles when full,
+/// so appending is amortised O(1) and nothing is concatenated per token.
+#[derive(Debug, Clone, Default)]
+pub struct SequenceCache {
+    len: usize,
+    cap: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl SequenceCache {
+    /// Number of positions cached (the position the next token will take).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets the sequence, keeping the allocations.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.v.iter_mut().for_each(Vec::clear);
+    }
+}
+
+/// One layer's cache of one sequence, as `attend` reads it.
+struct LayerCache<'a> {
+    keys_t: &'a [f32],
+    cap: usize,
+    values: &'a [f32],
+    len: usize,
+}
+
+/// A model's weights laid out for decoding, borrowed with the model they came from.
+pub struct Decoder<'m> {
+    model: &'m Model,
+    layers: Vec<LayerWeights>,
+    embed: Vec<f32>,
+    final_norm: Vec<f32>,
+    lm_head: PackedWeight,
+    /// RoPE tables [max_seq_len, d/2].
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    rope_style: RopeStyle,
+    pairing: HeadPairing,
+    d_model: usize,
+    d_ff: usize,
+    vocab: usize,
+    n_q: usize,
+    n_kv: usize,
+    head_dim: usize,
+    /// Width of the attention output before o_proj.
+    o_in: usize,
+    norm_eps: f32,
+    max_seq_len: usize,
+}
+
+fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// A linear layer's weight packed for `matmul_packed`.
+fn weight(l: &Linear, precision: WeightPrecision) -> Result<PackedWeight> {
+    stacked(&[l], precision)
+}
+
+/// Several linear layers of the same input stacked into one (their outputs side by side).
+fn stacked(ls: &[&Linear], precision: WeightPrecision) -> Result<PackedWeight> {
+    ensure!(
+        ls.iter().all(|l| l.quantized.is_none()),
+        "the decoder needs f32 weights; this model's layers are quantised"
+    );
+    let in_dim = ls[0].w.dim(1)?;
+    let mut rows = Vec::new();
+    for l in ls {
+        rows.extend(to_f32(&l.w)?);
+    }
+    Ok(PackedWeight::from_rows_as(&rows, in_dim, precision))
+}
+
+/// y = RMSNorm(x)·g over rows of x.
+fn rms_norm_rows(x: &[f32], gain: &[f32], eps: f32, y: &mut [f32]) {
+    let n = gain.len();
+    for (xr, yr) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((yv, &xv), &g) in yr.iter_mut().zip(xr).zip(gain) {
+            *yv = xv * inv * g;
+        }
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+impl<'m> Decoder<'m> {
+    /// Whether `Decoder::new` accepts this model: f32 on the CPU, fused kernels, no quantised
+    /// layers and no quantisation probes (those run through `Model::forward`).
+    pub fn supports(model: &Model) -> bool {
+        model.dtype() == DType::F32
+            && matches!(model.device(), Device::Cpu)
+            && model.opts.kernels == Kernels::Fused
+            && model.opts.attn_logit_bits.is_none()
+            && model.opts.act_bits.is_none()
+            && model.lm_head.quantized.is_none()
+            && model.blocks.iter().all(|b| {
+                let a = &b.attn;
+                [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &b.mlp.gate, &b.mlp.up, &b.mlp.down]
+                    .iter()
+                    .all(|l| l.quantized.is_none())
+                    && !matches!(&a.kind, AttnKind::DiffV2 { lambda_proj } if lambda_proj.quantized.is_some())
+            })
+    }
+
+    /// Copies the model's weights into the decoder's layout (a snapshot: later changes to the
+    /// model's weights are not seen).
+    pub fn new(model: &'m Model) -> Result<Self> {
+        Decoder::with_precision(model, WeightPrecision::F32)
+    }
+
+    /// As `new`, with the linear layers' weights stored at `precision`. bf16 halves the bytes
+    /// read per token (decode at batch 1 is bound by memory bandwidth); activations, the KV cache,
+    /// norms and the embedding stay f32, so the only change is the weights' rounding (relative
+    /// 2⁻⁹ each). The prompt itself still runs through `Model::forward` in f32.
+    pub fn with_precision(model: &'m Model, precision: WeightPrecision) -> Result<Self> {
+        if !Decoder::supports(model) {
+            bail!(
+                "the fused decoder runs f32 CPU models with the fused kernels and no quantisation; \
+                 use Model::forward with a KvCache for this one"
+            );
+        }
+        let cfg = model.config();
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for b in &model.blocks {
+            let a = &b.attn;
+            let (qkv, mix) = match &a.kind {
+                AttnKind::Baseline => (stacked(&[&a.q_proj, &a.k_proj, &a.v_proj], precision)?, Mix::Baseline),
+                AttnKind::DiffV2 { lambda_proj } => {
+                    (stacked(&[&a.q_proj, &a.k_proj, &a.v_proj, lambda_proj], precision)?, Mix::DiffV2)
+                }
+                AttnKind::DiffV1(diff) => {
+                    let lambda = diff.lambda()?.to_dtype(DType::F32)?.to_vec1::<f32>()?[0];
+                    let scale = (1.0 - diff.lambda_init) as f32;
+                    let width = 2 * a.head_dim;
+                    let (out_gain, normalise) = match &diff.subln {
+                        SubLayerNorm::Off => (vec![scale; width], false),
+                        SubLayerNorm::Plain => (vec![scale; width], true),
+                        SubLayerNorm::Gain(g) => (to_f32(g)?.iter().map(|g| g * scale).collect(), true),
+                    };
+                    let mix = Mix::DiffV1 { lambda, out_gain, normalise, eps: diff.subln_eps as f32 };
+                    (stacked(&[&a.q_proj, &a.k_proj, &a.v_proj], precision)?, mix)
+                }
+            };
+            layers.push(LayerWeights {
+                input_norm: to_f32(&b.input_norm)?,
+                qkv,
+                o_proj: weight(&a.o_proj, precision)?,
+                post_norm: to_f32(&b.post_norm)?,
+                gate_up: stacked(&[&b.mlp.gate, &b.mlp.up], precision)?,
+                down: weight(&b.mlp.down, precision)?,
+                mix,
+            });
+        }
+        let a = &model.blocks[0].attn;
+        Ok(Decoder {
+            model,
+            layers,
+            embed: to_f32(&model.embed)?,
+            final_norm: to_f32(&model.norm)?,
+            lm_head: weight(&model.lm_head, precision)?,
+            cos: to_f32(&model.rope.cos)?,
+            sin: to_f32(&model.rope.sin)?,
+            rope_style: model.rope.style,
+            pairing: a.pairing,
+            d_model: cfg.d_model,
+            d_ff: cfg.d_ff,
+            vocab: cfg.vocab_size,
+            n_q: a.n_q,
+            n_kv: a.n_kv,
+            head_dim: a.head_dim,
+            o_in: cfg.attention_shapes().o_in,
+            norm_eps: cfg.norm_eps as f32,
+            max_seq_len: cfg.max_seq_len,
+        })
+    }
+
+    /// The model's context length: a sequence holds at most this many positions.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// An empty cache for one sequence of this model.
+    pub fn new_sequence(&self) -> SequenceCache {
+        let n = self.layers.len();
+        SequenceCache { len: 0, cap: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+    }
+
+    /// Makes room in `seq` for at least `needed` positions (doubling, capped at the context).
+    fn reserve(&self, seq: &mut SequenceCache, needed: usize) {
+        if needed <= seq.cap {
+            return;
+        }
+        let cap = needed.max(2 * seq.cap).max(16).min(self.max_seq_len).max(needed);
+        let rows = self.n_kv * self.head_dim;
+        for k in seq.k.iter_mut() {
+            let mut grown = vec![0f32; rows * cap];
+            for row in 0..rows {
+                grown[row * cap..row * cap + seq.len].copy_from_slice(&k[row * seq.cap..row * seq.cap + seq.len]);
+            }
+            *k = grown;
+        }
+        seq.cap = cap;
+    }
+
+    /// Starts `seq` over with `prompt` (one batched `Model::forward`) and returns the logits of the
+    /// prompt's last position, [vocab].
+    pub fn prefill(&self, seq: &mut SequenceCache, prompt: &[u32]) -> Result<Vec<f32>> {
+        ensure!(!prompt.is_empty(), "the prompt is empty: give at least one token");
+        ensure!(
+            prompt.len() <= self.max_seq_len,
+            "the prompt is {} tokens long, longer than the model's context of {} tokens",
+            prompt.len(),
+            self.max_seq_len
+        );
+        let mut cache = KvCache::new(self.model.config());
+        let ids = Tensor::new(prompt, self.model.device())?.unsqueeze(0)?;
+        let logits = self.model.forward(&ids, Some(&mut cache))?;
+        if seq.k.len() != self.layers.len() {
+            *seq = self.new_sequence();
+        }
+        seq.clear();
+        let len = prompt.len();
+        self.reserve(seq, len);
+        for (l, layer_cache) in cache.layers.iter().enumerate() {
+            let (Some(k), Some(v)) = (layer_cache.k()?, layer_cache.v()?) else {
+                bail!("the model's cache of layer {l} is empty after the prompt")
+            };
+            // Keys [1, n_kv, S, d] -> [n_kv, d, S] into rows of length cap.
+            let kt = to_f32(&k.squeeze(0)?.transpose(1, 2)?.contiguous()?)?;
+            for (row, src) in kt.chunks_exact(len).enumerate() {
+                seq.k[l][row * seq.cap..row * seq.cap + len].copy_from_slice(src);
+            }
+            // Values [1, n_kv, S, d] -> [S, n_kv, d].
+            seq.v[l].extend(to_f32(&v.transpose(1, 2)?.contiguous()?)?);
+        }
+        seq.len = len;
+        Ok(super::last_logits(&logits)?)
+    }
+
+    /// Appends `tokens[r]` to `seqs[r]` for every r and returns the next-token logits of each,
+    /// row-major [r, vocab]. Every sequence must have room for one more position.
+    pub fn step(&self, seqs: &mut [&mut SequenceCache], tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        ensure!(seqs.len() == n, "{} sequences but {} tokens", seqs.len(), n);
+        for (seq, &t) in seqs.iter().zip(tokens) {
+            ensure!((t as usize) < self.vocab, "token {t} is outside the vocabulary of {} tokens", self.vocab);
+            ensure!(
+                seq.len < self.max_seq_len,
+                "the sequence already fills the model's context of {} tokens",
+                self.max_seq_len
+            );
+            ensure!(seq.k.len() == self.layers.len(), "this cache was not made by this decoder (new_sequence)");
+        }
+        let (dm, d, dff) = (self.d_model, self.head_dim, self.d_ff);
+        let (q_out, kv_out) = (self.n_q * d, self.n_kv * d);
+        let qkv_width = self.layers.first().map_or(0, |l| l.qkv.out_dim());
+        let longest = seqs.iter().map(|s| s.len + 1).max().unwrap_or(0);
+        // Buffers of this step, reused by every layer.
+        let mut x = Vec::with_capacity(n * dm);
+        for &t in tokens {
+            x.extend_from_slice(&self.embed[t as usize * dm..(t as usize + 1) * dm]);
+        }
+        let mut h = vec![0f32; n * dm];
+        let mut qkv = vec![0f32; n * qkv_width];
+        let mut att = vec![0f32; n * self.o_in];
+        let mut delta = vec![0f32; n * dm];
+        let mut gate_up = vec![0f32; n * 2 * dff];
+        let mut act = vec![0f32; n * dff];
+        let (mut p1, mut p2) = (vec![0f32; longest], vec![0f32; longest]);
+        for seq in seqs.iter_mut() {
+            self.reserve(seq, seq.len + 1);
+        }
+        for (l, lw) in self.layers.iter().enumerate() {
+            rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
+            matmul_packed(&h, &lw.qkv, &mut qkv);
+            att.fill(0.0);
+            for (r, seq) in seqs.iter_mut().enumerate() {
+                let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
+                let pos = seq.len;
+                let (q, rest) = row.split_at_mut(q_out);
+                let (k, rest) = rest.split_at_mut(kv_out);
+                let (v, lambda_logits) = rest.split_at_mut(kv_out);
+                self.rope(q, pos);
+                self.rope(k, pos);
+                let cap = seq.cap;
+                for (row, &kv) in k.iter().enumerate() {
+                    seq.k[l][row * cap + pos] = kv;
+                }
+                seq.v[l].extend_from_slice(v);
+                let len = pos + 1;
+                let out = &mut att[r * self.o_in..(r + 1) * self.o_in];
+                let cache = LayerCache { keys_t: &seq.k[l], cap, values: &seq.v[l], len };
+                self.attend(&lw.mix, q, lambda_logits, &cache, &mut p1[..len], &mut p2[..len], out);
+            }
+            matmul_packed(&att, &lw.o_proj, &mut delta);
+            add_into(&mut x, &delta);
+            rms_norm_rows(&x, &lw.post_norm, self.norm_eps, &mut h);
+            matmul_packed(&h, &lw.gate_up, &mut gate_up);
+            for (gu, a) in gate_up.chunks_exact(2 * dff).zip(act.chunks_exact_mut(dff)) {
+                swiglu_rows(&gu[..dff], &gu[dff..], a);
+            }
+            matmul_packed(&act, &lw.down, &mut delta);
+            add_into(&mut x, &delta);
+        }
+        for seq in seqs.iter_mut() {
+            seq.len += 1;
+        }
+        rms_norm_rows(&x, &self.final_norm, self.norm_eps, &mut h);
+        let mut logits = vec![0f32; n * self.vocab];
+        matmul_packed(&h, &self.lm_head, &mut logits);
+        Ok(logits)
+    }
+
+    /// Rotates every head of `x` ([heads, d]) to position `pos`.
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let half = self.head_dim / 2;
+        let (cos, sin) = (&self.cos[pos * half..(pos + 1) * half], &self.sin[pos * half..(pos + 1) * half]);
+        for head in x.chunks_exact_mut(self.head_dim) {
+            for i in 0..half {
+                let (a, b) = match self.rope_style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::RotateHalf => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[i] - x1 * sin[i];
+                head[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+    }
+
+    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries `q` ([n_q, d])
+    /// over the first `len` cached positions; `p1`, `p2` are scratch for the two maps' weights.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        mix: &Mix,
+        q: &[f32],
+        lambda_logits: &[f32],
+        cache: &LayerCache,
+        p1: &mut [f32],
+        p2: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let d = self.head_dim;
+        let (cap, len, stride) = (cache.cap, cache.len, self.n_kv * d);
+        let scale = 1.0 / (d as f32).sqrt();
+        let q_head = |i: usize| &q[i * d..(i + 1) * d];
+        // Head h's keys [d, cap] and its values from the first position to the last.
+        let keys = |h: usize| &cache.keys_t[h * d * cap..(h + 1) * d * cap];
+        let values = |h: usize| &cache.values[h * d..(len - 1) * stride + (h + 1) * d];
+        match mix {
+            Mix::Baseline => {
+                let group = self.n_q / self.n_kv;
+                for (i, o) in out.chunks_exact_mut(d).enumerate() {
+                    softmax_scores(q_head(i), keys(i / group), cap, scale, p1);
+                    weighted_values(p1, values(i / group), stride, o);
+                }
+            }
+            Mix::DiffV1 { lambda, out_gain, normalise, eps } => {
+                let group = self.n_q / self.n_kv; // pairs of queries per pair of kv heads
+                for (j, o) in out.chunks_exact_mut(2 * d).enumerate() {
+                    let (qa, qb) = self.pairing.pair(j, self.n_q);
+                    let (ka, kb) = self.pairing.pair(j / group, self.n_kv);
+                    softmax_scores(q_head(qa), keys(ka), cap, scale, p1);
+                    softmax_scores(q_head(qb), keys(kb), cap, scale, p2);
+                    p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
+                    // The pair's value is [v_ka | v_kb] (width 2d).
+                    let (o1, o2) = o.split_at_mut(d);
+                    weighted_values(p1, values(ka), stride, o1);
+                    weighted_values(p1, values(kb), stride, o2);
+                    let inv = if *normalise {
+                        let ms = o.iter().map(|v| v * v).sum::<f32>() / o.len() as f32;
+                        1.0 / (ms + eps).sqrt()
+                    } else {
+                        1.0
+                    };
+                    o.iter_mut().zip(out_gain).for_each(|(v, g)| *v *= inv * g);
+                }
+            }
+            Mix::DiffV2 => {
+                let group = self.n_q / self.n_kv; // even: a pair's two heads share a kv head
+                for (j, o) in out.chunks_exact_mut(d).enumerate() {
+                    let lambda = 1.0 / (1.0 + (-lambda_logits[j]).exp());
+                    let kv = 2 * j / group;
+                    softmax_scores(q_head(2 * j), keys(kv), cap, scale, p1);
+                    softmax_scores(q_head(2 * j + 1), keys(kv), cap, scale, p2);
+                    p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
+                    weighted_values(p1, values(kv), stride, o);
+                }
+            }
+        }
+    }
+}

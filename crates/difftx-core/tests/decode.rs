@@ -1,0 +1,197 @@
+//! The fused decoder against the full forward pass (itself checked against an f64 reference in
+//! reference.rs): logits of every position within 1e-4, greedy tokens identical, batched steps of
+//! sequences at different positions equal to single ones, on every family and layout variant.
+
+use candle_core::{DType, Device, Tensor};
+use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
+use difftx_core::generate::{generate_fused, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::model::{init_weights, Model};
+use difftx_core::{Decoder, WeightFormat, WeightPrecision};
+use std::collections::HashMap;
+
+fn model(cfg: &ModelConfig, seed: u64) -> Model {
+    let w: HashMap<String, Tensor> = init_weights(cfg, seed, DType::F32, &Device::Cpu).unwrap().into_iter().collect();
+    Model::from_weights(cfg, &w).unwrap()
+}
+
+/// Small configs covering what the decoder branches on: family, GQA, head pairing, RoPE style,
+/// the sub-layer norm's variants, untied and tied heads, a head dim other than D/H.
+fn configs() -> Vec<(String, ModelConfig)> {
+    let mut out = Vec::new();
+    for family in Family::ALL {
+        let mut base = ModelConfig::preset("nano", family).unwrap();
+        base.vocab_size = 61;
+        base.d_model = 48;
+        base.n_layers = 2;
+        base.n_heads = 4;
+        base.n_kv_heads = 4;
+        base.d_ff = 80;
+        base.max_seq_len = 40;
+        // Large enough that attention is far from uniform (the default init keeps it flat).
+        base.init_std = 0.35;
+        base.lambda_std = 0.3;
+        out.push((format!("{family:?}"), base.clone()));
+        let mut gqa = base.clone();
+        gqa.n_kv_heads = 2;
+        gqa.rope_style = RopeStyle::RotateHalf;
+        gqa.head_dim = Some(10);
+        gqa.tie_embeddings = true;
+        out.push((format!("{family:?} gqa rotate-half d10 tied"), gqa));
+        if family == Family::DiffV1 {
+            let mut halves = base.clone();
+            halves.head_pairing = HeadPairing::Halves;
+            halves.subln_affine = false;
+            out.push(("DiffV1 halves, norm without gain".into(), halves));
+            let mut off = base.clone();
+            off.subln = false;
+            out.push(("DiffV1 without sub-layer norm".into(), off));
+        }
+    }
+    out
+}
+
+fn tokens(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7 + seed * 13 + i * i) % vocab) as u32).collect()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn decoder_logits_match_the_full_forward_at_every_position() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 5);
+        let ids = tokens(cfg.max_seq_len, cfg.vocab_size, 1);
+        let full = m.forward(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), None).unwrap();
+        let full = full.squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+        let dec = Decoder::new(&m).unwrap();
+        let mut seq = dec.new_sequence();
+        let prompt = 5;
+        let first = dec.prefill(&mut seq, &ids[..prompt]).unwrap();
+        let scale = full.iter().flatten().fold(1.0f32, |a, v| a.max(v.abs()));
+        assert!(max_abs(&first, &full[prompt - 1]) <= 1e-4 * scale, "{name}: prefill");
+        for t in prompt..cfg.max_seq_len {
+            let logits = dec.step(&mut [&mut seq], &[ids[t]]).unwrap();
+            let err = max_abs(&logits, &full[t]);
+            assert!(err <= 1e-4 * scale, "{name}: position {t}: max |diff| {err} (logits up to {scale})");
+        }
+        assert_eq!(seq.len(), cfg.max_seq_len);
+        // The context is full: one more step is an error, not a panic.
+        let err = dec.step(&mut [&mut seq], &[0]).unwrap_err().to_string();
+        assert!(err.contains("context"), "{err}");
+    }
+}
+
+#[test]
+fn batched_steps_equal_single_steps_at_different_positions() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 9);
+        let dec = Decoder::new(&m).unwrap();
+        let prompts = [tokens(3, cfg.vocab_size, 2), tokens(11, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
+        let next = [tokens(6, cfg.vocab_size, 5), tokens(6, cfg.vocab_size, 6), tokens(6, cfg.vocab_size, 7)];
+        // One at a time.
+        let mut single = Vec::new();
+        for (p, nx) in prompts.iter().zip(&next) {
+            let mut seq = dec.new_sequence();
+            dec.prefill(&mut seq, p).unwrap();
+            single.push(nx.iter().map(|&t| dec.step(&mut [&mut seq], &[t]).unwrap()).collect::<Vec<_>>());
+        }
+        // All three in each step.
+        let mut seqs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut s = dec.new_sequence();
+                dec.prefill(&mut s, p).unwrap();
+                s
+            })
+            .collect();
+        for i in 0..6 {
+            let toks: Vec<u32> = next.iter().map(|n| n[i]).collect();
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let logits = dec.step(&mut refs, &toks).unwrap();
+            for (r, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
+                let err = max_abs(row, &single[r][i]);
+                assert!(err < 1e-5, "{name}: sequence {r} step {i}: {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_tokens_are_those_of_the_forward_path() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 3);
+        let prompt = tokens(4, cfg.vocab_size, 8);
+        let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
+        let slow = generate_with_forward(&m, &prompt, 50, &mut greedy(), |_| Ok(())).unwrap();
+        let fast = generate_fused(&Decoder::new(&m).unwrap(), &prompt, 50, &mut greedy(), |_| Ok(())).unwrap();
+        // The last position's logits still give one token past the context.
+        assert_eq!(slow.len(), cfg.max_seq_len - prompt.len() + 1, "{name}: stops at the context");
+        assert_eq!(fast, slow, "{name}");
+    }
+}
+
+#[test]
+fn decoder_refuses_what_it_does_not_run_and_bad_tokens() {
+    let cfg = ModelConfig::preset("nano", Family::DiffV1).unwrap();
+    let mut m = model(&cfg, 1);
+    let dec = Decoder::new(&m).unwrap();
+    let mut seq = dec.new_sequence();
+    dec.prefill(&mut seq, &[1, 2]).unwrap();
+    let err = dec.step(&mut [&mut seq], &[cfg.vocab_size as u32]).unwrap_err().to_string();
+    assert!(err.contains("vocabulary"), "{err}");
+    assert!(dec.prefill(&mut seq, &[]).is_err());
+    drop(dec);
+    m.quantize_weights(WeightFormat::Q8_0).unwrap();
+    assert!(!Decoder::supports(&m));
+    assert!(Decoder::new(&m).is_err());
+    let w: HashMap<String, Tensor> = init_weights(&cfg, 1, DType::F64, &Device::Cpu).unwrap().into_iter().collect();
+    assert!(!Decoder::supports(&Model::from_weights(&cfg, &w).unwrap()));
+}
+
+/// The model with every linear layer's weight rounded to bf16 (stored as f32): what a bf16
+/// decoder of `cfg` computes exactly, up to f32 summation order.
+fn bf16_rounded(cfg: &ModelConfig, seed: u64) -> Model {
+    let round = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let w: HashMap<String, Tensor> = init_weights(cfg, seed, DType::F32, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| {
+            let linear = n.ends_with("_proj.weight") || n == "lm_head.weight";
+            let t = if linear { round(&t) } else { t };
+            (n, t)
+        })
+        .collect();
+    Model::from_weights(cfg, &w).unwrap()
+}
+
+#[test]
+fn bf16_weights_compute_the_bf16_rounded_model() {
+    // Tied heads are left out: there the embedding lookup stays f32 while the head is rounded,
+    // which no single rounded model reproduces.
+    for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
+        let m = model(&cfg, 4);
+        let rounded_model = bf16_rounded(&cfg, 4);
+        let bf16 = Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap();
+        let (exact, reference) = (Decoder::new(&m).unwrap(), Decoder::new(&rounded_model).unwrap());
+        let ids = tokens(20, cfg.vocab_size, 9);
+        // The prompt runs through Model::forward in f32 (prefill), so both start from the bf16
+        // decoder's cache: the steps are what differ.
+        let mut a = bf16.new_sequence();
+        bf16.prefill(&mut a, &ids[..3]).unwrap();
+        let mut b = a.clone();
+        let mut c = exact.new_sequence();
+        exact.prefill(&mut c, &ids[..3]).unwrap();
+        for &t in &ids[3..] {
+            let la = bf16.step(&mut [&mut a], &[t]).unwrap();
+            let lb = reference.step(&mut [&mut b], &[t]).unwrap();
+            let lc = exact.step(&mut [&mut c], &[t]).unwrap();
+            let scale = lb.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let err = max_abs(&la, &lb);
+            assert!(err <= 1e-4 * scale, "{name}: bf16 decoder vs the rounded model: {err} (scale {scale})");
+            assert!(max_abs(&la, &lc) > 0.0, "{name}: bf16 weights changed nothing: are they rounded at all?");
+        }
+    }
+}

@@ -1,0 +1,36 @@
+//! GMAC/s and GB/s of `matmul_packed` at batch 1 from cache (one weight) and from memory (28
+//! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine.
+use difftx_kernels::decode::{matmul_packed, PackedWeight, WeightPrecision};
+fn main() {
+    for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
+        let bytes_per = if precision == WeightPrecision::F32 { 4.0 } else { 2.0 };
+        for &(n_w, reps) in &[(1usize, 5000usize), (28, 200)] {
+            let ws: Vec<PackedWeight> = (0..n_w)
+                .map(|k| {
+                    PackedWeight::from_rows_as(
+                        &(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(),
+                        256,
+                        precision,
+                    )
+                })
+                .collect();
+            let x = vec![0.5f32; 256];
+            let mut y = vec![0f32; 704];
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                for w in &ws {
+                    matmul_packed(&x, w, &mut y);
+                }
+            }
+            let s = t0.elapsed().as_secs_f64();
+            let macs = (reps * n_w * 704 * 256) as f64;
+            println!(
+                "{precision:?} {:.1} MiB of weights: {:.1} GMAC/s, {:.1} GB/s, {:.2} us per 704x256 matmul",
+                n_w as f64 * 704.0 * 256.0 * bytes_per / (1 << 20) as f64,
+                macs / s / 1e9,
+                macs * bytes_per / s / 1e9,
+                s / (reps * n_w) as f64 * 1e6
+            );
+        }
+    }
+}

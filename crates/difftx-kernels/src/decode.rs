@@ -1,0 +1,616 @@
+//! Kernels of one decode step: plain f32 slices, one new token per sequence, no autograd.
+//!
+//! Decoding a token costs a few matrix-vector products and one attention row per head; through
+//! tensor ops each of those is a separate allocation, dispatch and (for candle's gemm) a thread
+//! hand-off, which at batch 1 costs more than the arithmetic. These functions are what a fused
+//! decode step is built from (`difftx_core::decode`):
+//!
+//! * [`matmul_packed`]: `y = x·Wᵀ` for a few rows `x`, the Linear weight packed once
+//!   ([`PackedWeight`]) into panels of 64 output columns read front to back, the sums kept in
+//!   registers; panels are split across rayon threads when the product is large enough to pay.
+//! * [`softmax_scores`]: one query's attention weights over its cached keys.
+//! * [`weighted_values`]: `out += Σ_s p_s·v_s` over cached values.
+//! * [`swiglu_rows`] computes `silu(gate)·up`.
+//!
+//! Each is compiled three times (baseline x86-64, AVX2+FMA, AVX-512F) and picked at run time, as in
+//! `flash.rs`; `*_at(isa, ..)` variants let the tests check every level against the reference.
+
+use rayon::prelude::*;
+
+/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread: a hand-off
+/// costs a few microseconds, about as much as 32K multiply-adds on one core.
+const MIN_MACS_PER_TASK: usize = 32 * 1024;
+
+/// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
+pub const ISA_BEST: u8 = 2;
+
+/// The best level this CPU supports, capped at `max`.
+fn level(max: u8) -> u8 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+        if max >= 2 && avx2 && std::is_x86_feature_detected!("avx512f") {
+            return 2;
+        }
+        if max >= 1 && avx2 {
+            return 1;
+        }
+    }
+    let _ = max;
+    0
+}
+
+/// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
+mod body {
+    use super::Element;
+    use crate::float::{fast_exp_f32, max_slice, sum_slice};
+
+    /// `y[r, col0 + k] = Σ_i x[r, i]·panel[i, k]` for one packed panel (`[in, w]`, w <= 64) and every
+    /// row of x; y has row stride `ld`. Rows go four at a time so each weight load serves four
+    /// rows and the 4 × 64 sums stay in registers (no horizontal reductions); `FMA` picks fused
+    /// multiply-adds (only where the CPU has them).
+    #[inline(always)]
+    pub fn panel<E: Element, const FMA: bool>(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[E],
+        w: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
+        let rows = x.len() / in_dim;
+        let mut r0 = 0;
+        while r0 < rows {
+            match rows - r0 {
+                1 => block::<E, 1, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
+                2 => block::<E, 2, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
+                3 => block::<E, 3, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
+                _ => block::<E, 4, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
+            }
+            r0 += 4;
+        }
+    }
+
+    #[inline(always)]
+    fn madd<const FMA: bool>(acc: f32, a: f32, b: f32) -> f32 {
+        if FMA {
+            a.mul_add(b, acc)
+        } else {
+            acc + a * b
+        }
+    }
+
+    /// Rows r0..r0 + R of `panel`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn block<E: Element, const R: usize, const FMA: bool>(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[E],
+        w: usize,
+        r0: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
+        const C: usize = super::PANEL;
+        let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(r0 + r) * in_dim..(r0 + r + 1) * in_dim]);
+        if w == C {
+            let mut acc = [[0f32; C]; R];
+            for (i, wi) in panel.chunks_exact(C).enumerate().take(in_dim) {
+                let wi: &[E; C] = wi.try_into().unwrap();
+                let wf: [f32; C] = std::array::from_fn(|k| wi[k].to_f32());
+                for r in 0..R {
+                    let xv = xs[r][i];
+                    for k in 0..C {
+                        acc[r][k] = madd::<FMA>(acc[r][k], xv, wf[k]);
+                    }
+                }
+            }
+            for r in 0..R {
+                y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + C].copy_from_slice(&acc[r]);
+            }
+        } else {
+            // The last panel, narrower than 64 columns.
+            for r in 0..R {
+                let yr = &mut y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + w];
+                yr.fill(0.0);
+                for (i, wi) in panel.chunks_exact(w).enumerate().take(in_dim) {
+                    let xv = xs[r][i];
+                    for (yv, &wv) in yr.iter_mut().zip(wi) {
+                        *yv = madd::<FMA>(*yv, xv, wv.to_f32());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scores of a block of `B` positions from s0: the sums run over the d key features with
+    /// the B partial sums in registers (keys are stored feature-major, `[d, cap]`).
+    #[inline(always)]
+    fn score_block<const B: usize, const FMA: bool>(q: &[f32], keys_t: &[f32], cap: usize, s0: usize, p: &mut [f32]) {
+        let mut acc = [0f32; B];
+        for (i, &qi) in q.iter().enumerate() {
+            let k: &[f32; B] = keys_t[i * cap + s0..i * cap + s0 + B].try_into().unwrap();
+            for j in 0..B {
+                acc[j] = madd::<FMA>(acc[j], qi, k[j]);
+            }
+        }
+        p[s0..s0 + B].copy_from_slice(&acc);
+    }
+
+    #[inline(always)]
+    pub fn softmax_scores<const FMA: bool>(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+        let len = p.len();
+        let mut s0 = 0;
+        while s0 + 64 <= len {
+            score_block::<64, FMA>(q, keys_t, cap, s0, p);
+            s0 += 64;
+        }
+        while s0 + 16 <= len {
+            score_block::<16, FMA>(q, keys_t, cap, s0, p);
+            s0 += 16;
+        }
+        for s in s0..len {
+            p[s] = q.iter().enumerate().fold(0.0, |acc, (i, &qi)| madd::<FMA>(acc, qi, keys_t[i * cap + s]));
+        }
+        p.iter_mut().for_each(|v| *v *= scale);
+        let max = max_slice(p, f32::NEG_INFINITY);
+        p.iter_mut().for_each(|v| *v = fast_exp_f32(*v - max));
+        let inv = 1.0 / sum_slice(p);
+        p.iter_mut().for_each(|v| *v *= inv);
+    }
+
+    /// `out += Σ_s p_s·v_s`, 32 output features at a time so their sums stay in registers.
+    #[inline(always)]
+    pub fn weighted_values<const FMA: bool>(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+        const C: usize = 32;
+        for (c, oc) in out.chunks_mut(C).enumerate() {
+            let off = c * C;
+            if oc.len() == C {
+                let mut acc = [0f32; C];
+                for (s, &w) in p.iter().enumerate() {
+                    let v: &[f32; C] = values[s * stride + off..s * stride + off + C].try_into().unwrap();
+                    for k in 0..C {
+                        acc[k] = madd::<FMA>(acc[k], w, v[k]);
+                    }
+                }
+                oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
+            } else {
+                for (s, &w) in p.iter().enumerate() {
+                    let v = &values[s * stride + off..s * stride + off + oc.len()];
+                    for (o, &x) in oc.iter_mut().zip(v) {
+                        *o = madd::<FMA>(*o, w, x);
+                    }
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    pub fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + fast_exp_f32(-g)) * u;
+        }
+    }
+}
+
+macro_rules! isa_variants {
+    ($m:ident, $feat:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $m {
+            #[target_feature(enable = $feat)]
+            pub unsafe fn panel(
+                x: &[f32],
+                in_dim: usize,
+                panel: &[f32],
+                w: usize,
+                y: &mut [f32],
+                ld: usize,
+                col0: usize,
+            ) {
+                super::body::panel::<f32, true>(x, in_dim, panel, w, y, ld, col0)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn panel_bf16(
+                x: &[f32],
+                in_dim: usize,
+                panel: &[super::Bf16],
+                w: usize,
+                y: &mut [f32],
+                ld: usize,
+                col0: usize,
+            ) {
+                super::body::panel::<super::Bf16, true>(x, in_dim, panel, w, y, ld, col0)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+                super::body::softmax_scores::<true>(q, keys_t, cap, scale, p)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+                super::body::weighted_values::<true>(p, values, stride, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
+                super::body::swiglu_rows(gate, up, out)
+            }
+        }
+    };
+}
+isa_variants!(avx2, "avx2,fma");
+
+/// The baseline x86-64 (or other architecture) versions: no FMA.
+mod base {
+    pub fn panel(x: &[f32], in_dim: usize, panel: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
+        super::body::panel::<f32, false>(x, in_dim, panel, w, y, ld, col0)
+    }
+    pub fn panel_bf16(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[super::Bf16],
+        w: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
+        super::body::panel::<super::Bf16, false>(x, in_dim, panel, w, y, ld, col0)
+    }
+    pub fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+        super::body::softmax_scores::<false>(q, keys_t, cap, scale, p)
+    }
+    pub fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+        super::body::weighted_values::<false>(p, values, stride, out)
+    }
+    pub use super::body::swiglu_rows;
+}
+isa_variants!(avx512, "avx512f,avx2,fma");
+
+/// Calls `$f` of the best variant at level `$isa`.
+macro_rules! dispatch {
+    ($isa:expr, $f:ident($($a:expr),*)) => {{
+        match level($isa) {
+            // SAFETY: `level` returned 2 / 1 only after checking the CPU has those features.
+            #[cfg(target_arch = "x86_64")]
+            2 => unsafe { avx512::$f($($a),*) },
+            #[cfg(target_arch = "x86_64")]
+            1 => unsafe { avx2::$f($($a),*) },
+            _ => base::$f($($a),*),
+        }
+    }};
+}
+
+/// Output columns per packed panel.
+const PANEL: usize = 64;
+
+/// A weight element the packed kernel reads: f32, or bf16 widened to f32 on load.
+pub trait Element: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// A bfloat16: the top 16 bits of an f32 (8 exponent bits, 7 mantissa bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// Rounds to the nearest bf16, ties to even (finite inputs).
+    pub fn from_f32(x: f32) -> Self {
+        let bits = x.to_bits();
+        let round = 0x7fff + ((bits >> 16) & 1);
+        Bf16((bits.wrapping_add(round) >> 16) as u16)
+    }
+}
+
+impl Element for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// How a packed weight stores its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightPrecision {
+    F32,
+    /// bf16 storage (half the bytes to stream per token), f32 arithmetic and activations.
+    Bf16,
+}
+
+impl std::str::FromStr for WeightPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(WeightPrecision::F32),
+            "bf16" => Ok(WeightPrecision::Bf16),
+            _ => Err(format!("unknown precision '{s}' (expected f32 or bf16)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum PackedData {
+    F32(Vec<f32>),
+    Bf16(Vec<Bf16>),
+}
+
+/// A Linear layer's weight (`[out, in]`, PyTorch's layout) re-laid out for [`matmul_packed`]:
+/// panels of 64 output columns, each stored `[in, 64]` contiguously (the last one narrower), so the
+/// kernel reads every panel front to back and keeps 64 sums per row in registers.
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    data: PackedData,
+    in_dim: usize,
+    out: usize,
+}
+
+impl PackedWeight {
+    /// Packs `w` (`[out, in]`, row-major) in f32.
+    pub fn from_rows(w: &[f32], in_dim: usize) -> Self {
+        Self::from_rows_as(w, in_dim, WeightPrecision::F32)
+    }
+
+    /// Packs `w` (`[out, in]`, row-major), stored at `precision`.
+    pub fn from_rows_as(w: &[f32], in_dim: usize, precision: WeightPrecision) -> Self {
+        assert!(
+            in_dim > 0 && w.len().is_multiple_of(in_dim),
+            "PackedWeight: {} values are not rows of {in_dim}",
+            w.len()
+        );
+        let out = w.len() / in_dim;
+        let mut packed = Vec::with_capacity(w.len());
+        for c0 in (0..out).step_by(PANEL) {
+            let width = PANEL.min(out - c0);
+            for i in 0..in_dim {
+                packed.extend((c0..c0 + width).map(|o| w[o * in_dim + i]));
+            }
+        }
+        let data = match precision {
+            WeightPrecision::F32 => PackedData::F32(packed),
+            WeightPrecision::Bf16 => PackedData::Bf16(packed.into_iter().map(Bf16::from_f32).collect()),
+        };
+        PackedWeight { data, in_dim, out }
+    }
+
+    pub fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.out
+    }
+
+    /// The columns and width of panel p.
+    fn panel_range(&self, p: usize) -> (std::ops::Range<usize>, usize) {
+        let c0 = p * PANEL;
+        let width = PANEL.min(self.out - c0);
+        (c0 * self.in_dim..(c0 + width) * self.in_dim, width)
+    }
+}
+
+/// `y = x·Wᵀ` for a Linear weight W: x `[rows, in]`, y `[rows, out]`.
+pub fn matmul_packed(x: &[f32], w: &PackedWeight, y: &mut [f32]) {
+    matmul_packed_at(ISA_BEST, x, w, y)
+}
+
+/// `matmul_packed` with the instruction-set level capped at `isa`.
+pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
+    let (in_dim, out) = (w.in_dim, w.out);
+    assert!(x.len().is_multiple_of(in_dim), "matmul_packed: x is not rows of {in_dim}");
+    let rows = x.len() / in_dim;
+    assert_eq!(y.len(), rows * out, "matmul_packed: y must be [rows, out]");
+    if rows == 0 || out == 0 {
+        return;
+    }
+    // Panels per task: at least MIN_MACS_PER_TASK multiply-adds, no more tasks than threads.
+    let panels = out.div_ceil(PANEL);
+    let threads = rayon::current_num_threads().max(1);
+    let by_work = MIN_MACS_PER_TASK.div_ceil(rows * in_dim * PANEL);
+    let per_task = by_work.max(panels.div_ceil(threads));
+    let run = |p: usize, y: &mut [f32], ld: usize, col0: usize| {
+        let (range, width) = w.panel_range(p);
+        match &w.data {
+            PackedData::F32(d) => dispatch!(isa, panel(x, in_dim, &d[range], width, y, ld, col0)),
+            PackedData::Bf16(d) => dispatch!(isa, panel_bf16(x, in_dim, &d[range], width, y, ld, col0)),
+        }
+    };
+    if per_task >= panels {
+        for p in 0..panels {
+            run(p, y, out, p * PANEL);
+        }
+        return;
+    }
+    // Each task fills its own [rows, its columns] block, copied into y afterwards.
+    let groups: Vec<(usize, Vec<f32>)> = (0..panels)
+        .step_by(per_task)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|p0| {
+            let p1 = (p0 + per_task).min(panels);
+            let cols = (p1 * PANEL).min(out) - p0 * PANEL;
+            let mut block = vec![0f32; rows * cols];
+            for p in p0..p1 {
+                run(p, &mut block, cols, (p - p0) * PANEL);
+            }
+            (p0 * PANEL, block)
+        })
+        .collect();
+    for (c0, block) in groups {
+        let cols = block.len() / rows;
+        for r in 0..rows {
+            y[r * out + c0..r * out + c0 + cols].copy_from_slice(&block[r * cols..(r + 1) * cols]);
+        }
+    }
+}
+
+/// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`.
+/// The keys are stored feature-major, `keys_t[i·cap + s]` = feature i of key s (`[d, cap]`), so
+/// the scores of many positions are summed side by side.
+pub fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+    softmax_scores_at(ISA_BEST, q, keys_t, cap, scale, p)
+}
+
+/// `softmax_scores` with the instruction-set level capped at `isa`.
+pub fn softmax_scores_at(isa: u8, q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+    if !p.is_empty() {
+        assert!(
+            p.len() <= cap && keys_t.len() >= (q.len().max(1) - 1) * cap + p.len(),
+            "softmax_scores: keys too short"
+        );
+        dispatch!(isa, softmax_scores(q, keys_t, cap, scale, p))
+    }
+}
+
+/// `out += Σ_s p_s·v_s`, value `s` being `values[s·stride ..][..out.len()]`. The weights may be
+/// signed (diff-v1's and diff-v2's `p1 − λ·p2`).
+pub fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    weighted_values_at(ISA_BEST, p, values, stride, out)
+}
+
+/// `weighted_values` with the instruction-set level capped at `isa`.
+pub fn weighted_values_at(isa: u8, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    if let Some(last) = p.len().checked_sub(1) {
+        assert!(values.len() >= last * stride + out.len(), "weighted_values: values too short");
+        dispatch!(isa, weighted_values(p, values, stride, out))
+    }
+}
+
+/// `out = silu(gate)·up` element-wise (fast exp, relative error ~2e-7).
+pub fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_rows_at(ISA_BEST, gate, up, out)
+}
+
+/// `swiglu_rows` with the instruction-set level capped at `isa`.
+pub fn swiglu_rows_at(isa: u8, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len(), "swiglu_rows: lengths differ");
+    dispatch!(isa, swiglu_rows(gate, up, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    #[test]
+    fn matmul_packed_matches_f64_on_awkward_shapes_at_every_level() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // (rows, in, out): odd widths, one row, widths below and above the 32-lane block, and a
+        // product large enough to be split across threads.
+        for &(rows, in_dim, out) in &[
+            (1, 1, 1),
+            (1, 37, 13),
+            (3, 31, 5),
+            (2, 33, 70),
+            (1, 256, 704),
+            (5, 300, 257),
+            (9, 64, 130),
+            (16, 256, 768),
+        ] {
+            let x = random(rows * in_dim, &mut rng);
+            let w = random(out * in_dim, &mut rng);
+            let want: Vec<f64> = (0..rows * out)
+                .map(|i| {
+                    let (r, o) = (i / out, i % out);
+                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w[o * in_dim + k] as f64).sum()
+                })
+                .collect();
+            let packed = PackedWeight::from_rows(&w, in_dim);
+            // bf16 storage: the exact product of x with the bf16-rounded weights.
+            let w_bf16: Vec<f32> = w.iter().map(|&v| Bf16::from_f32(v).to_f32()).collect();
+            let want_bf16: Vec<f64> = (0..rows * out)
+                .map(|i| {
+                    let (r, o) = (i / out, i % out);
+                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w_bf16[o * in_dim + k] as f64).sum()
+                })
+                .collect();
+            let packed_bf16 = PackedWeight::from_rows_as(&w, in_dim, WeightPrecision::Bf16);
+            let tol = 1e-5 * (1.0 + in_dim as f64).sqrt();
+            for isa in 0..=ISA_BEST {
+                let mut y = vec![f32::NAN; rows * out];
+                matmul_packed_at(isa, &x, &packed, &mut y);
+                for (g, e) in y.iter().zip(&want) {
+                    assert!((*g as f64 - e).abs() < tol, "isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
+                }
+                matmul_packed_at(isa, &x, &packed_bf16, &mut y);
+                for (g, e) in y.iter().zip(&want_bf16) {
+                    assert!((*g as f64 - e).abs() < tol, "bf16, isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::from_f32(1.0).to_f32(), 1.0);
+        // 1 + 2^-8 is halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to the even one (1).
+        assert_eq!(Bf16::from_f32(1.0 + 2f32.powi(-8)).to_f32(), 1.0);
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 * 2f32.powi(-8)).to_f32(), 1.0 + 2f32.powi(-6));
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
+        for v in [0.1f32, -3.7, 1e-20, 6e4] {
+            assert!(((Bf16::from_f32(v).to_f32() - v) / v).abs() <= 2f32.powi(-9), "{v}");
+        }
+    }
+
+    #[test]
+    fn attention_row_matches_f64() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        // (positions, dk, dv, value stride, key capacity): blocks of 64 and 16 and a tail.
+        for &(len, dk, dv, stride, cap) in
+            &[(1, 4, 4, 4, 1), (7, 33, 5, 40, 9), (130, 32, 64, 96, 140), (64, 8, 32, 32, 64)]
+        {
+            let q = random(dk, &mut rng);
+            let keys_t = random(dk * cap, &mut rng);
+            let values = random(len * stride, &mut rng);
+            let scale = 1.0 / (dk as f64).sqrt();
+            let logits: Vec<f64> = (0..len)
+                .map(|s| (0..dk).map(|k| q[k] as f64 * keys_t[k * cap + s] as f64).sum::<f64>() * scale)
+                .collect();
+            let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let want_p: Vec<f64> = e.iter().map(|v| v / z).collect();
+            let want_o: Vec<f64> = (0..dv)
+                .map(|c| (0..len).map(|s| want_p[s] * values[s * stride + c] as f64).sum::<f64>() + 0.5)
+                .collect();
+            for isa in 0..=ISA_BEST {
+                let mut p = vec![0f32; len];
+                softmax_scores_at(isa, &q, &keys_t, cap, scale as f32, &mut p);
+                for (g, e) in p.iter().zip(&want_p) {
+                    assert!((*g as f64 - e).abs() < 1e-6, "isa {isa}: p {g} vs {e}");
+                }
+                let mut out = vec![0.5f32; dv]; // accumulates onto what is there
+                weighted_values_at(isa, &p, &values, stride, &mut out);
+                for (g, e) in out.iter().zip(&want_o) {
+                    assert!((*g as f64 - e).abs() < 1e-5, "isa {isa}: out {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_rows_matches_f64() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let gate: Vec<f32> = random(77, &mut rng).iter().map(|g| g * 12.0).collect();
+        let up = random(77, &mut rng);
+        for isa in 0..=ISA_BEST {
+            let mut out = vec![0f32; 77];
+            swiglu_rows_at(isa, &gate, &up, &mut out);
+            for i in 0..77 {
+                let g = gate[i] as f64;
+                let want = g / (1.0 + (-g).exp()) * up[i] as f64;
+                assert!((out[i] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "isa {isa}: {} vs {want}", out[i]);
+            }
+        }
+    }
+}
