@@ -3,7 +3,7 @@
 //! Decoding a token costs a few matrix-vector products and one attention row per head; through
 //! tensor ops each of those is a separate allocation, dispatch and (for candle's gemm) a thread
 //! hand-off, which at batch 1 costs more than the arithmetic. These functions are what a fused
-//! decode step is built from (`difftx_core::decode`):
+//! decode step is built from (`difftx_core::Decoder`, crates/difftx-core/src/model/decode.rs):
 //!
 //! * [`matmul_packed`]: `y = x·Wᵀ` for a few rows `x`, the Linear weight packed once
 //!   ([`PackedWeight`]) into panels of 64 output columns read front to back, the sums kept in
@@ -196,76 +196,41 @@ mod body {
     }
 }
 
+/// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
+/// (none for `base`), fused multiply-adds where `$fma`.
 macro_rules! isa_variants {
-    ($m:ident, $feat:literal) => {
-        #[cfg(target_arch = "x86_64")]
+    ($m:ident, $fma:literal $(, $feat:literal)?) => {
         mod $m {
-            #[target_feature(enable = $feat)]
-            pub unsafe fn panel(
-                x: &[f32],
-                in_dim: usize,
-                panel: &[f32],
-                w: usize,
-                y: &mut [f32],
-                ld: usize,
-                col0: usize,
-            ) {
-                super::body::panel::<f32, true>(x, in_dim, panel, w, y, ld, col0)
+            use super::{body, Bf16};
+            $(#[target_feature(enable = $feat)])?
+            pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
+                body::panel::<f32, $fma>(x, in_dim, p, w, y, ld, col0)
             }
-            #[target_feature(enable = $feat)]
-            pub unsafe fn panel_bf16(
-                x: &[f32],
-                in_dim: usize,
-                panel: &[super::Bf16],
-                w: usize,
-                y: &mut [f32],
-                ld: usize,
-                col0: usize,
-            ) {
-                super::body::panel::<super::Bf16, true>(x, in_dim, panel, w, y, ld, col0)
+            $(#[target_feature(enable = $feat)])?
+            pub unsafe fn panel_bf16(x: &[f32], in_dim: usize, p: &[Bf16], w: usize, y: &mut [f32], ld: usize, col0: usize) {
+                body::panel::<Bf16, $fma>(x, in_dim, p, w, y, ld, col0)
             }
-            #[target_feature(enable = $feat)]
+            $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
-                super::body::softmax_scores::<true>(q, keys_t, cap, scale, p)
+                body::softmax_scores::<$fma>(q, keys_t, cap, scale, p)
             }
-            #[target_feature(enable = $feat)]
+            $(#[target_feature(enable = $feat)])?
             pub unsafe fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-                super::body::weighted_values::<true>(p, values, stride, out)
+                body::weighted_values::<$fma>(p, values, stride, out)
             }
-            #[target_feature(enable = $feat)]
+            $(#[target_feature(enable = $feat)])?
             pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
-                super::body::swiglu_rows(gate, up, out)
+                body::swiglu_rows(gate, up, out)
             }
         }
     };
 }
-isa_variants!(avx2, "avx2,fma");
-
-/// The baseline x86-64 (or other architecture) versions: no FMA.
-mod base {
-    pub fn panel(x: &[f32], in_dim: usize, panel: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-        super::body::panel::<f32, false>(x, in_dim, panel, w, y, ld, col0)
-    }
-    pub fn panel_bf16(
-        x: &[f32],
-        in_dim: usize,
-        panel: &[super::Bf16],
-        w: usize,
-        y: &mut [f32],
-        ld: usize,
-        col0: usize,
-    ) {
-        super::body::panel::<super::Bf16, false>(x, in_dim, panel, w, y, ld, col0)
-    }
-    pub fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
-        super::body::softmax_scores::<false>(q, keys_t, cap, scale, p)
-    }
-    pub fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-        super::body::weighted_values::<false>(p, values, stride, out)
-    }
-    pub use super::body::swiglu_rows;
-}
-isa_variants!(avx512, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+isa_variants!(avx512, true, "avx512f,avx2,fma");
+#[cfg(target_arch = "x86_64")]
+isa_variants!(avx2, true, "avx2,fma");
+// Baseline x86-64 (or another architecture): no FMA, whose software fallback would be slow.
+isa_variants!(base, false);
 
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
@@ -276,7 +241,8 @@ macro_rules! dispatch {
             2 => unsafe { avx512::$f($($a),*) },
             #[cfg(target_arch = "x86_64")]
             1 => unsafe { avx2::$f($($a),*) },
-            _ => base::$f($($a),*),
+            // SAFETY: the baseline variant needs no CPU feature.
+            _ => unsafe { base::$f($($a),*) },
         }
     }};
 }
