@@ -222,9 +222,9 @@ struct GenerateArgs {
     /// Weight format of the linear layers: f32, q8_0 (8-bit) or q4k (4-bit).
     #[arg(long, default_value = "f32")]
     weights: WeightFormat,
-    /// Decoding precision: f32, or bf16 (the fused decoder stores the linear layers' weights in
-    /// bf16, half the bytes per token, and computes in f32; the prompt runs in f32). Needs
-    /// `--weights f32`.
+    /// Decoding precision of the linear layers' weights in the fused decoder: f32, bf16 (half the
+    /// bytes per token) or int8 (symmetric per output channel, a quarter); arithmetic,
+    /// activations and the prompt stay f32. Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     precision: WeightPrecision,
 }
@@ -471,9 +471,9 @@ fn stream_generate(
     };
     match precision {
         WeightPrecision::F32 => generate(model, &ids, n, &mut sampler, on_token)?,
-        WeightPrecision::Bf16 => {
+        WeightPrecision::Bf16 | WeightPrecision::Int8 => {
             if !Decoder::supports(model) {
-                bail!("--precision bf16 runs the fused decoder, which needs f32 weights: drop --weights");
+                bail!("--precision {precision:?} runs the fused decoder, which needs f32 weights: drop --weights");
             }
             generate_fused(&Decoder::with_precision(model, precision)?, &ids, n, &mut sampler, on_token)?
         }

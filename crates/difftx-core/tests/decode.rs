@@ -7,6 +7,7 @@ use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::generate::{generate_fused, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::{Decoder, WeightFormat, WeightPrecision};
+use difftx_kernels::decode::{int8_code, int8_scale};
 use std::collections::HashMap;
 
 fn model(cfg: &ModelConfig, seed: u64) -> Model {
@@ -151,10 +152,24 @@ fn decoder_refuses_what_it_does_not_run_and_bad_tokens() {
     assert!(!Decoder::supports(&Model::from_weights(&cfg, &w).unwrap()));
 }
 
-/// The model with every linear layer's weight rounded to bf16 (stored as f32): what a bf16
-/// decoder of `cfg` computes exactly, up to f32 summation order.
-fn bf16_rounded(cfg: &ModelConfig, seed: u64) -> Model {
-    let round = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+/// The model with every linear layer's weight stored as `precision` would store it, back in f32:
+/// what a decoder at that precision computes exactly, up to f32 summation order.
+fn rounded_model(cfg: &ModelConfig, seed: u64, precision: WeightPrecision) -> Model {
+    let round = |t: &Tensor| match precision {
+        WeightPrecision::F32 => t.clone(),
+        WeightPrecision::Bf16 => t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
+        WeightPrecision::Int8 => {
+            let rows = t.to_vec2::<f32>().unwrap();
+            let deq: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|row| {
+                    let s = int8_scale(row);
+                    row.iter().map(|&v| int8_code(v, s) as f32 * s).collect()
+                })
+                .collect();
+            Tensor::new(deq, &Device::Cpu).unwrap()
+        }
+    };
     let w: HashMap<String, Tensor> = init_weights(cfg, seed, DType::F32, &Device::Cpu)
         .unwrap()
         .into_iter()
@@ -168,30 +183,37 @@ fn bf16_rounded(cfg: &ModelConfig, seed: u64) -> Model {
 }
 
 #[test]
-fn bf16_weights_compute_the_bf16_rounded_model() {
+fn bf16_and_int8_weights_compute_the_rounded_model() {
     // Tied heads are left out: there the embedding lookup stays f32 while the head is rounded,
     // which no single rounded model reproduces.
-    for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
-        let m = model(&cfg, 4);
-        let rounded_model = bf16_rounded(&cfg, 4);
-        let bf16 = Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap();
-        let (exact, reference) = (Decoder::new(&m).unwrap(), Decoder::new(&rounded_model).unwrap());
-        let ids = tokens(20, cfg.vocab_size, 9);
-        // The prompt runs through Model::forward in f32 (prefill), so both start from the bf16
-        // decoder's cache: the steps are what differ.
-        let mut a = bf16.new_sequence();
-        bf16.prefill(&mut a, &ids[..3]).unwrap();
-        let mut b = a.clone();
-        let mut c = exact.new_sequence();
-        exact.prefill(&mut c, &ids[..3]).unwrap();
-        for &t in &ids[3..] {
-            let la = bf16.step(&mut [&mut a], &[t]).unwrap();
-            let lb = reference.step(&mut [&mut b], &[t]).unwrap();
-            let lc = exact.step(&mut [&mut c], &[t]).unwrap();
-            let scale = lb.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-            let err = max_abs(&la, &lb);
-            assert!(err <= 1e-4 * scale, "{name}: bf16 decoder vs the rounded model: {err} (scale {scale})");
-            assert!(max_abs(&la, &lc) > 0.0, "{name}: bf16 weights changed nothing: are they rounded at all?");
+    for precision in [WeightPrecision::Bf16, WeightPrecision::Int8] {
+        for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
+            check_rounded(&format!("{name} {precision:?}"), &cfg, precision);
         }
+    }
+}
+
+/// A decoder at `precision` against the f32 decoder of the model rounded as it rounds, step by step.
+fn check_rounded(name: &str, cfg: &ModelConfig, precision: WeightPrecision) {
+    let m = model(cfg, 4);
+    let rounded_weights = rounded_model(cfg, 4, precision);
+    let decoder = Decoder::with_precision(&m, precision).unwrap();
+    let (exact, reference) = (Decoder::new(&m).unwrap(), Decoder::new(&rounded_weights).unwrap());
+    let ids = tokens(20, cfg.vocab_size, 9);
+    // The prompt runs through Model::forward in f32 (prefill), so both start from the decoder's
+    // cache: the steps are what differ.
+    let mut a = decoder.new_sequence();
+    decoder.prefill(&mut a, &ids[..3]).unwrap();
+    let mut b = a.clone();
+    let mut c = exact.new_sequence();
+    exact.prefill(&mut c, &ids[..3]).unwrap();
+    for &t in &ids[3..] {
+        let la = decoder.step(&mut [&mut a], &[t]).unwrap();
+        let lb = reference.step(&mut [&mut b], &[t]).unwrap();
+        let lc = exact.step(&mut [&mut c], &[t]).unwrap();
+        let scale = lb.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let err = max_abs(&la, &lb);
+        assert!(err <= 1e-4 * scale, "{name}: decoder vs the rounded model: {err} (scale {scale})");
+        assert!(max_abs(&la, &lc) > 0.0, "{name}: rounding changed nothing: are the weights rounded at all?");
     }
 }

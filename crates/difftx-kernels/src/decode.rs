@@ -17,9 +17,11 @@
 
 use rayon::prelude::*;
 
-/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread: a hand-off
-/// costs a few microseconds, about as much as 32K multiply-adds on one core.
-const MIN_MACS_PER_TASK: usize = 32 * 1024;
+/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread. Measured
+/// on the 2-core Xeon (docs/design.md §7.7): at 32K, batch-1 int8 decode spent more time waking and
+/// parking threads than it saved (1,685 tok/s on two threads against 2,409 on one); at 512K the
+/// batch-1 products of bench-s stay on one thread and batched steps still split.
+const MIN_MACS_PER_TASK: usize = 512 * 1024;
 
 /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
 pub const ISA_BEST: u8 = 2;
@@ -211,6 +213,10 @@ macro_rules! isa_variants {
                 body::panel::<Bf16, $fma>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
+            pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
+                body::panel::<i8, $fma>(x, in_dim, p, w, y, ld, col0)
+            }
+            $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
                 body::softmax_scores::<$fma>(q, keys_t, cap, scale, p)
             }
@@ -250,7 +256,7 @@ macro_rules! dispatch {
 /// Output columns per packed panel.
 const PANEL: usize = 64;
 
-/// A weight element the packed kernel reads: f32, or bf16 widened to f32 on load.
+/// A weight element the packed kernel reads: f32, or bf16 / int8 codes widened to f32 on load.
 pub trait Element: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 }
@@ -282,12 +288,37 @@ impl Element for Bf16 {
     }
 }
 
+impl Element for i8 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+}
+
+/// The symmetric int8 code of `w` at `scale` (the weight is `code · scale`).
+pub fn int8_code(w: f32, scale: f32) -> i8 {
+    (w / scale).round().clamp(-127.0, 127.0) as i8
+}
+
+/// The scale of one output channel's weights for int8: `max |w| / 127` (1 for an all-zero channel).
+pub fn int8_scale(row: &[f32]) -> f32 {
+    let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if max > 0.0 {
+        max / 127.0
+    } else {
+        1.0
+    }
+}
+
 /// How a packed weight stores its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightPrecision {
     F32,
     /// bf16 storage (half the bytes to stream per token), f32 arithmetic and activations.
     Bf16,
+    /// Symmetric int8 per output channel (`w ≈ code · scale_o`, a quarter of the bytes); the
+    /// codes are widened to f32 and each output scaled once, activations stay f32.
+    Int8,
 }
 
 impl std::str::FromStr for WeightPrecision {
@@ -296,7 +327,8 @@ impl std::str::FromStr for WeightPrecision {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Ok(WeightPrecision::F32),
             "bf16" => Ok(WeightPrecision::Bf16),
-            _ => Err(format!("unknown precision '{s}' (expected f32 or bf16)")),
+            "int8" => Ok(WeightPrecision::Int8),
+            _ => Err(format!("unknown precision '{s}' (expected f32, bf16 or int8)")),
         }
     }
 }
@@ -305,6 +337,8 @@ impl std::str::FromStr for WeightPrecision {
 enum PackedData {
     F32(Vec<f32>),
     Bf16(Vec<Bf16>),
+    /// Codes, and one scale per output column.
+    Int8(Vec<i8>, Vec<f32>),
 }
 
 /// A Linear layer's weight (`[out, in]`, PyTorch's layout) re-laid out for [`matmul_packed`]:
@@ -341,6 +375,17 @@ impl PackedWeight {
         let data = match precision {
             WeightPrecision::F32 => PackedData::F32(packed),
             WeightPrecision::Bf16 => PackedData::Bf16(packed.into_iter().map(Bf16::from_f32).collect()),
+            WeightPrecision::Int8 => {
+                let scales: Vec<f32> = w.chunks_exact(in_dim).map(int8_scale).collect();
+                // The packed order puts column o at position (index within its panel) o % 64.
+                let mut codes = Vec::with_capacity(packed.len());
+                for c0 in (0..out).step_by(PANEL) {
+                    let width = PANEL.min(out - c0);
+                    let panel = &packed[c0 * in_dim..(c0 + width) * in_dim];
+                    codes.extend(panel.iter().enumerate().map(|(j, &v)| int8_code(v, scales[c0 + j % width])));
+                }
+                PackedData::Int8(codes, scales)
+            }
         };
         PackedWeight { data, in_dim, out }
     }
@@ -385,6 +430,13 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
         match &w.data {
             PackedData::F32(d) => dispatch!(isa, panel(x, in_dim, &d[range], width, y, ld, col0)),
             PackedData::Bf16(d) => dispatch!(isa, panel_bf16(x, in_dim, &d[range], width, y, ld, col0)),
+            PackedData::Int8(d, scales) => {
+                dispatch!(isa, panel_i8(x, in_dim, &d[range], width, y, ld, col0));
+                let scales = &scales[p * PANEL..p * PANEL + width];
+                for r in 0..rows {
+                    y[r * ld + col0..r * ld + col0 + width].iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
+                }
+            }
         }
     };
     if per_task >= panels {
@@ -501,6 +553,21 @@ mod tests {
                 })
                 .collect();
             let packed_bf16 = PackedWeight::from_rows_as(&w, in_dim, WeightPrecision::Bf16);
+            // int8: the exact product of x with the dequantised weights code · scale.
+            let w_int8: Vec<f32> = w
+                .chunks_exact(in_dim)
+                .flat_map(|row| {
+                    let s = int8_scale(row);
+                    row.iter().map(move |&v| int8_code(v, s) as f32 * s)
+                })
+                .collect();
+            let want_int8: Vec<f64> = (0..rows * out)
+                .map(|i| {
+                    let (r, o) = (i / out, i % out);
+                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w_int8[o * in_dim + k] as f64).sum()
+                })
+                .collect();
+            let packed_int8 = PackedWeight::from_rows_as(&w, in_dim, WeightPrecision::Int8);
             let tol = 1e-5 * (1.0 + in_dim as f64).sqrt();
             for isa in 0..=ISA_BEST {
                 let mut y = vec![f32::NAN; rows * out];
@@ -511,6 +578,10 @@ mod tests {
                 matmul_packed_at(isa, &x, &packed_bf16, &mut y);
                 for (g, e) in y.iter().zip(&want_bf16) {
                     assert!((*g as f64 - e).abs() < tol, "bf16, isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
+                }
+                matmul_packed_at(isa, &x, &packed_int8, &mut y);
+                for (g, e) in y.iter().zip(&want_int8) {
+                    assert!((*g as f64 - e).abs() < tol, "int8, isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
                 }
             }
         }

@@ -252,12 +252,15 @@ fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
     };
     let (out, secs) = timed(true)?;
     let (out_forward, secs_forward) = timed(false)?;
-    // bf16 weights through the same fused decoder (tokens may differ from f32: not compared).
-    let bf16 = Decoder::with_precision(&model, WeightPrecision::Bf16)?;
-    generate_fused(&bf16, &prompt, 4.min(opts.decode_tokens), &mut greedy()?, |_| Ok(()))?;
-    let t0 = Instant::now();
-    let out_bf16 = generate_fused(&bf16, &prompt, opts.decode_tokens, &mut greedy()?, |_| Ok(()))?;
-    let secs_bf16 = t0.elapsed().as_secs_f64();
+    // bf16 and int8 weights through the same fused decoder (tokens may differ from f32).
+    let mut reduced = Map::new();
+    for (name, precision) in [("bf16", WeightPrecision::Bf16), ("int8", WeightPrecision::Int8)] {
+        let decoder = Decoder::with_precision(&model, precision)?;
+        generate_fused(&decoder, &prompt, 4.min(opts.decode_tokens), &mut greedy()?, |_| Ok(()))?;
+        let t0 = Instant::now();
+        let n = generate_fused(&decoder, &prompt, opts.decode_tokens, &mut greedy()?, |_| Ok(()))?.len();
+        reduced.insert(name.into(), json!((n as f64 / t0.elapsed().as_secs_f64() * 10.0).round() / 10.0));
+    }
     if out.len() != opts.decode_tokens {
         bail!("decode produced {} tokens, expected {}", out.len(), opts.decode_tokens);
     }
@@ -287,11 +290,11 @@ fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
     Ok(json!({
         "tokens_per_sec": per_sec(out.len(), secs),
         "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
-        "tokens_per_sec_bf16_weights": per_sec(out_bf16.len(), secs_bf16),
+        "tokens_per_sec_by_weight_precision": reduced,
         "batched_tokens_per_sec": batched,
         "new_tokens": out.len(), "prompt_tokens": prompt.len(), "secs": (secs * 1e3).round() / 1e3,
         "includes_prefill": true,
-        "notes": "tokens_per_sec: generate (fused decoder, f32); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_bf16_weights: the fused decoder with bf16 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
+        "notes": "tokens_per_sec: generate (fused decoder, f32); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
     }))
 }
 

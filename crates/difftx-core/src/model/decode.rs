@@ -188,10 +188,11 @@ impl<'m> Decoder<'m> {
         Decoder::with_precision(model, WeightPrecision::F32)
     }
 
-    /// As `new`, with the linear layers' weights stored at `precision`. bf16 halves the bytes
-    /// read per token (decode at batch 1 is bound by memory bandwidth); activations, the KV cache,
-    /// norms and the embedding stay f32, so the only change is the weights' rounding (relative
-    /// 2⁻⁹ each). The prompt itself still runs through `Model::forward` in f32.
+    /// As `new`, with the linear layers' weights stored at `precision`: bf16 halves the bytes read
+    /// per token, int8 (symmetric, one scale per output channel) quarters them (decode at batch 1
+    /// is bound by memory bandwidth). Activations, the KV cache, norms and the embedding stay f32,
+    /// so the only change is the weights' rounding. The prompt itself runs through
+    /// `Model::forward` in f32.
     pub fn with_precision(model: &'m Model, precision: WeightPrecision) -> Result<Self> {
         if !Decoder::supports(model) {
             bail!(
