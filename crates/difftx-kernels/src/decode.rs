@@ -537,23 +537,16 @@ mod tests {
         ] {
             let x = random(rows * in_dim, &mut rng);
             let w = random(out * in_dim, &mut rng);
-            let want: Vec<f64> = (0..rows * out)
-                .map(|i| {
-                    let (r, o) = (i / out, i % out);
-                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w[o * in_dim + k] as f64).sum()
-                })
-                .collect();
-            let packed = PackedWeight::from_rows(&w, in_dim);
-            // bf16 storage: the exact product of x with the bf16-rounded weights.
+            // x·Wᵀ in f64 for weights as stored (f32 as is, bf16 rounded, int8 dequantised).
+            let product = |w: &[f32]| -> Vec<f64> {
+                (0..rows * out)
+                    .map(|i| {
+                        let (r, o) = (i / out, i % out);
+                        (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w[o * in_dim + k] as f64).sum()
+                    })
+                    .collect()
+            };
             let w_bf16: Vec<f32> = w.iter().map(|&v| Bf16::from_f32(v).to_f32()).collect();
-            let want_bf16: Vec<f64> = (0..rows * out)
-                .map(|i| {
-                    let (r, o) = (i / out, i % out);
-                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w_bf16[o * in_dim + k] as f64).sum()
-                })
-                .collect();
-            let packed_bf16 = PackedWeight::from_rows_as(&w, in_dim, WeightPrecision::Bf16);
-            // int8: the exact product of x with the dequantised weights code · scale.
             let w_int8: Vec<f32> = w
                 .chunks_exact(in_dim)
                 .flat_map(|row| {
@@ -561,27 +554,23 @@ mod tests {
                     row.iter().map(move |&v| int8_code(v, s) as f32 * s)
                 })
                 .collect();
-            let want_int8: Vec<f64> = (0..rows * out)
-                .map(|i| {
-                    let (r, o) = (i / out, i % out);
-                    (0..in_dim).map(|k| x[r * in_dim + k] as f64 * w_int8[o * in_dim + k] as f64).sum()
-                })
-                .collect();
-            let packed_int8 = PackedWeight::from_rows_as(&w, in_dim, WeightPrecision::Int8);
+            let cases = [
+                (WeightPrecision::F32, product(&w)),
+                (WeightPrecision::Bf16, product(&w_bf16)),
+                (WeightPrecision::Int8, product(&w_int8)),
+            ];
             let tol = 1e-5 * (1.0 + in_dim as f64).sqrt();
-            for isa in 0..=ISA_BEST {
-                let mut y = vec![f32::NAN; rows * out];
-                matmul_packed_at(isa, &x, &packed, &mut y);
-                for (g, e) in y.iter().zip(&want) {
-                    assert!((*g as f64 - e).abs() < tol, "isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
-                }
-                matmul_packed_at(isa, &x, &packed_bf16, &mut y);
-                for (g, e) in y.iter().zip(&want_bf16) {
-                    assert!((*g as f64 - e).abs() < tol, "bf16, isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
-                }
-                matmul_packed_at(isa, &x, &packed_int8, &mut y);
-                for (g, e) in y.iter().zip(&want_int8) {
-                    assert!((*g as f64 - e).abs() < tol, "int8, isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}");
+            for (precision, want) in &cases {
+                let packed = PackedWeight::from_rows_as(&w, in_dim, *precision);
+                for isa in 0..=ISA_BEST {
+                    let mut y = vec![f32::NAN; rows * out];
+                    matmul_packed_at(isa, &x, &packed, &mut y);
+                    for (g, e) in y.iter().zip(want) {
+                        assert!(
+                            (*g as f64 - e).abs() < tol,
+                            "{precision:?} isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}"
+                        );
+                    }
                 }
             }
         }
