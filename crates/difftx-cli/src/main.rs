@@ -459,6 +459,10 @@ fn stream_generate(
     params: SamplingParams,
     precision: WeightPrecision,
 ) -> Result<()> {
+    if precision != WeightPrecision::F32 && !Decoder::supports(model) {
+        let name = format!("{precision:?}").to_lowercase();
+        bail!("--precision {name} runs the fused decoder, which needs f32 weights: drop --weights");
+    }
     let ids = tok.encode(prompt)?;
     let mut sampler = Sampler::new(params)?;
     let mut out = std::io::stdout().lock();
@@ -472,9 +476,6 @@ fn stream_generate(
     match precision {
         WeightPrecision::F32 => generate(model, &ids, n, &mut sampler, on_token)?,
         WeightPrecision::Bf16 | WeightPrecision::Int8 => {
-            if !Decoder::supports(model) {
-                bail!("--precision {precision:?} runs the fused decoder, which needs f32 weights: drop --weights");
-            }
             generate_fused(&Decoder::with_precision(model, precision)?, &ids, n, &mut sampler, on_token)?
         }
     };

@@ -11,6 +11,7 @@
 //! * [`softmax_scores`]: one query's attention weights over its cached keys.
 //! * [`weighted_values`]: `out += Σ_s p_s·v_s` over cached values.
 //! * [`swiglu_rows`] computes `silu(gate)·up`.
+//! * [`rms_norm_rows`] and [`rope_heads`]: the training kernels' forwards on slices.
 //!
 //! Each is compiled three times (baseline x86-64, AVX2+FMA, AVX-512F) and picked at run time, as in
 //! `flash.rs`; `*_at(isa, ..)` variants let the tests check every level against the reference.
@@ -466,6 +467,18 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
             y[r * out + c0..r * out + c0 + cols].copy_from_slice(&block[r * cols..(r + 1) * cols]);
         }
     }
+}
+
+/// RMSNorm of every row of `x` (rows of `gain.len()`) times `gain`: the training kernel's forward
+/// (`rms_norm.rs`) on slices.
+pub fn rms_norm_rows(x: &[f32], gain: &[f32], eps: f64, y: &mut [f32]) {
+    crate::rms_norm::rms_norm_fwd(x, Some(gain), y, gain.len(), eps)
+}
+
+/// RoPE of one position's heads `x` (`[heads, d]`) into `y`, given that position's rows of the
+/// cos / sin tables (`[d/2]`): the training kernel's forward (`rope.rs`) on slices.
+pub fn rope_heads(x: &[f32], y: &mut [f32], cos: &[f32], sin: &[f32], d: usize, interleaved: bool) {
+    crate::rope::rope_kernel(x, y, cos, sin, (1, 1, x.len() / d.max(1), d), interleaved, false)
 }
 
 /// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`.

@@ -31,7 +31,8 @@ use crate::ops::Kernels;
 use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use difftx_kernels::decode::{
-    matmul_packed, softmax_scores, swiglu_rows, weighted_values, PackedWeight, WeightPrecision,
+    matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, weighted_values, PackedWeight,
+    WeightPrecision,
 };
 
 /// How a layer turns its heads' attention into its output features.
@@ -45,7 +46,7 @@ enum Mix {
         out_gain: Vec<f32>,
         /// RMS-normalise each pair's output first (false: the "no GroupNorm" ablation).
         normalise: bool,
-        eps: f32,
+        eps: f64,
     },
     /// Pair j: heads 2j and 2j+1 (one kv group), λ_j = σ(λ-logit_j) per token.
     DiffV2,
@@ -100,6 +101,18 @@ struct LayerCache<'a> {
     len: usize,
 }
 
+/// Buffers of one step, reused by every row and layer.
+struct Scratch {
+    /// The two maps' attention weights of one head pair, [positions].
+    p1: Vec<f32>,
+    p2: Vec<f32>,
+    /// A diff-v1 pair's output before its norm, [2d].
+    pair: Vec<f32>,
+    /// The row's rotated queries [n_q, d] and keys [n_kv, d].
+    q: Vec<f32>,
+    k: Vec<f32>,
+}
+
 /// A model's weights laid out for decoding, borrowed with the model they came from.
 pub struct Decoder<'m> {
     model: &'m Model,
@@ -120,7 +133,7 @@ pub struct Decoder<'m> {
     head_dim: usize,
     /// Width of the attention output before o_proj.
     o_in: usize,
-    norm_eps: f32,
+    norm_eps: f64,
     max_seq_len: usize,
 }
 
@@ -145,18 +158,6 @@ fn stacked(ls: &[&Linear], precision: WeightPrecision) -> Result<PackedWeight> {
         rows.extend(to_f32(&l.w)?);
     }
     Ok(PackedWeight::from_rows_as(&rows, in_dim, precision))
-}
-
-/// y = RMSNorm(x)·g over rows of x.
-fn rms_norm_rows(x: &[f32], gain: &[f32], eps: f32, y: &mut [f32]) {
-    let n = gain.len();
-    for (xr, yr) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
-        for ((yv, &xv), &g) in yr.iter_mut().zip(xr).zip(gain) {
-            *yv = xv * inv * g;
-        }
-    }
 }
 
 fn add_into(x: &mut [f32], y: &[f32]) {
@@ -218,7 +219,7 @@ impl<'m> Decoder<'m> {
                         SubLayerNorm::Plain => (vec![scale; width], true),
                         SubLayerNorm::Gain(g) => (to_f32(g)?.iter().map(|g| g * scale).collect(), true),
                     };
-                    let mix = Mix::DiffV1 { lambda, out_gain, normalise, eps: diff.subln_eps as f32 };
+                    let mix = Mix::DiffV1 { lambda, out_gain, normalise, eps: diff.subln_eps };
                     (stacked(&[&a.q_proj, &a.k_proj, &a.v_proj], precision)?, mix)
                 }
             };
@@ -250,7 +251,7 @@ impl<'m> Decoder<'m> {
             n_kv: a.n_kv,
             head_dim: a.head_dim,
             o_in: cfg.attention_shapes().o_in,
-            norm_eps: cfg.norm_eps as f32,
+            norm_eps: cfg.norm_eps,
             max_seq_len: cfg.max_seq_len,
         })
     }
@@ -347,7 +348,13 @@ impl<'m> Decoder<'m> {
         let mut delta = vec![0f32; n * dm];
         let mut gate_up = vec![0f32; n * 2 * dff];
         let mut act = vec![0f32; n * dff];
-        let (mut p1, mut p2) = (vec![0f32; longest], vec![0f32; longest]);
+        let mut scratch = Scratch {
+            p1: vec![0f32; longest],
+            p2: vec![0f32; longest],
+            pair: vec![0f32; 2 * d],
+            q: vec![0f32; q_out],
+            k: vec![0f32; kv_out],
+        };
         for seq in seqs.iter_mut() {
             self.reserve(seq, seq.len + 1);
         }
@@ -356,22 +363,22 @@ impl<'m> Decoder<'m> {
             matmul_packed(&h, &lw.qkv, &mut qkv);
             att.fill(0.0);
             for (r, seq) in seqs.iter_mut().enumerate() {
-                let row = &mut qkv[r * qkv_width..(r + 1) * qkv_width];
+                let row = &qkv[r * qkv_width..(r + 1) * qkv_width];
                 let pos = seq.len;
-                let (q, rest) = row.split_at_mut(q_out);
-                let (k, rest) = rest.split_at_mut(kv_out);
-                let (v, lambda_logits) = rest.split_at_mut(kv_out);
-                self.rope(q, pos);
-                self.rope(k, pos);
+                let (q, rest) = row.split_at(q_out);
+                let (k, rest) = rest.split_at(kv_out);
+                let (v, lambda_logits) = rest.split_at(kv_out);
+                self.rope(q, pos, &mut scratch.q);
+                self.rope(k, pos, &mut scratch.k);
                 let cap = seq.cap;
-                for (row, &kv) in k.iter().enumerate() {
+                for (row, &kv) in scratch.k.iter().enumerate() {
                     seq.k[l][row * cap + pos] = kv;
                 }
                 seq.v[l].extend_from_slice(v);
                 let len = pos + 1;
                 let out = &mut att[r * self.o_in..(r + 1) * self.o_in];
                 let cache = LayerCache { keys_t: &seq.k[l], cap, values: &seq.v[l], len };
-                self.attend(&lw.mix, q, lambda_logits, &cache, &mut p1[..len], &mut p2[..len], out);
+                self.attend(&lw.mix, lambda_logits, &cache, &mut scratch, out);
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
             add_into(&mut x, &delta);
@@ -392,39 +399,21 @@ impl<'m> Decoder<'m> {
         Ok(logits)
     }
 
-    /// Rotates every head of `x` ([heads, d]) to position `pos`.
-    fn rope(&self, x: &mut [f32], pos: usize) {
+    /// Every head of `x` ([heads, d]) rotated to position `pos`, into `y`.
+    fn rope(&self, x: &[f32], pos: usize, y: &mut [f32]) {
         let half = self.head_dim / 2;
         let (cos, sin) = (&self.cos[pos * half..(pos + 1) * half], &self.sin[pos * half..(pos + 1) * half]);
-        for head in x.chunks_exact_mut(self.head_dim) {
-            for i in 0..half {
-                let (a, b) = match self.rope_style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::RotateHalf => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos[i] - x1 * sin[i];
-                head[b] = x0 * sin[i] + x1 * cos[i];
-            }
-        }
+        rope_heads(x, y, cos, sin, self.head_dim, self.rope_style == RopeStyle::Interleaved);
     }
 
-    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries `q` ([n_q, d])
-    /// over the first `len` cached positions; `p1`, `p2` are scratch for the two maps' weights.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        mix: &Mix,
-        q: &[f32],
-        lambda_logits: &[f32],
-        cache: &LayerCache,
-        p1: &mut [f32],
-        p2: &mut [f32],
-        out: &mut [f32],
-    ) {
+    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries (`scratch.q`,
+    /// [n_q, d]) over the first `cache.len` cached positions.
+    fn attend(&self, mix: &Mix, lambda_logits: &[f32], cache: &LayerCache, scratch: &mut Scratch, out: &mut [f32]) {
         let d = self.head_dim;
         let (cap, len, stride) = (cache.cap, cache.len, self.n_kv * d);
         let scale = 1.0 / (d as f32).sqrt();
+        let Scratch { p1, p2, pair, q, .. } = scratch;
+        let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
         // Head h's keys [d, cap] and its values from the first position to the last.
         let keys = |h: usize| &cache.keys_t[h * d * cap..(h + 1) * d * cap];
@@ -446,16 +435,15 @@ impl<'m> Decoder<'m> {
                     softmax_scores(q_head(qb), keys(kb), cap, scale, p2);
                     p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
                     // The pair's value is [v_ka | v_kb] (width 2d).
-                    let (o1, o2) = o.split_at_mut(d);
+                    pair.fill(0.0);
+                    let (o1, o2) = pair.split_at_mut(d);
                     weighted_values(p1, values(ka), stride, o1);
                     weighted_values(p1, values(kb), stride, o2);
-                    let inv = if *normalise {
-                        let ms = o.iter().map(|v| v * v).sum::<f32>() / o.len() as f32;
-                        1.0 / (ms + eps).sqrt()
+                    if *normalise {
+                        rms_norm_rows(pair, out_gain, *eps, o);
                     } else {
-                        1.0
-                    };
-                    o.iter_mut().zip(out_gain).for_each(|(v, g)| *v *= inv * g);
+                        o.iter_mut().zip(pair.iter()).zip(out_gain).for_each(|((o, v), g)| *o = v * g);
+                    }
                 }
             }
             Mix::DiffV2 => {
