@@ -38,6 +38,28 @@ impl std::fmt::Display for Range {
     }
 }
 
+/// A comma-separated list of counts (`2,4,8`), shown in `--help` as it is typed.
+#[derive(Clone, Debug)]
+pub struct Counts(pub Vec<usize>);
+
+impl std::str::FromStr for Counts {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let counts = s
+            .split(',')
+            .map(|c| c.trim().parse::<usize>().map_err(|_| format!("invalid list '{s}' (expected counts like 2,4,8)")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Counts(counts))
+    }
+}
+
+impl std::fmt::Display for Counts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(|c| c.to_string()).collect();
+        write!(f, "{}", parts.join(","))
+    }
+}
+
 impl From<(usize, usize)> for Range {
     fn from((lo, hi): (usize, usize)) -> Self {
         Range(lo, hi)
@@ -150,8 +172,8 @@ pub struct RecallArgs {
     #[command(flatten)]
     pub pairs: PairArgs,
     /// Key-value pairs per document (comma separated; one accuracy each).
-    #[arg(long, value_delimiter = ',', default_values_t = recall::RecallOptions::default().pair_counts)]
-    pub pair_counts: Vec<usize>,
+    #[arg(long, default_value_t = Counts(recall::RecallOptions::default().pair_counts))]
+    pub pair_counts: Counts,
     /// Documents per pair count.
     #[arg(long, default_value_t = recall::RecallOptions::default().documents)]
     pub documents: usize,
@@ -246,7 +268,7 @@ pub fn cmd_analyze(what: Instrument) -> Result<()> {
         }
         Instrument::Recall(a) => {
             let opts = recall::RecallOptions {
-                pair_counts: a.pair_counts,
+                pair_counts: a.pair_counts.0,
                 documents: a.documents,
                 filler: a.filler.into(),
                 pairs: a.pairs.format(),
@@ -339,8 +361,8 @@ pub struct CompareArgs {
     #[arg(long, default_value_t = MixtureSpec::default().recall_filler.into())]
     pub recall_filler: Range,
     /// Pair counts the recall instrument measures (comma separated).
-    #[arg(long, value_delimiter = ',', default_values_t = CompareOptions::default().recall.pair_counts)]
-    pub recall_eval: Vec<usize>,
+    #[arg(long, default_value_t = Counts(CompareOptions::default().recall.pair_counts))]
+    pub recall_eval: Counts,
     /// Difficulty: needles per training needle document, as LO-HI.
     #[arg(long, default_value_t = MixtureSpec::default().needles.into())]
     pub needles: Range,
@@ -394,7 +416,7 @@ pub fn cmd_compare(a: CompareArgs) -> Result<()> {
             icl_letters: a.icl_letters,
             ..defaults.mixture.clone()
         },
-        recall: difftx_experiments::recall::RecallOptions { pair_counts: a.recall_eval, ..defaults.recall.clone() },
+        recall: difftx_experiments::recall::RecallOptions { pair_counts: a.recall_eval.0, ..defaults.recall.clone() },
         icl: difftx_experiments::icl::IclOptions { classes: a.icl_eval_classes, ..defaults.icl.clone() },
         out: a.out,
         seq_len: a.seq_len,

@@ -37,6 +37,9 @@ enum Command {
     Train(TrainArgs),
     /// Generate text from a model, streamed to stdout.
     Generate(GenerateArgs),
+    /// Serve a model over HTTP with OpenAI's completions and chat API (continuous batching,
+    /// streaming, Prometheus metrics). Stops gracefully on SIGTERM or Ctrl-C.
+    Serve(ServeArgs),
     /// Validation loss, perplexity and bits per byte of a model on a text.
     Eval(EvalArgs),
     /// Dump logits for token ids: IN holds an integer `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V] (and the ids).
@@ -230,6 +233,43 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Model folder: a training run, a difftx model folder, or a Hugging Face DiffLlama / Llama
+    /// folder (its tokenizer.json and the chat template in tokenizer_config.json are used).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on (loopback by default; 0.0.0.0 exposes the server to the network).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Weights of the linear layers: f32, bf16 or int8 (per output channel) run all requests of
+    /// a step in one batched pass of the fused decoder; q8_0 and q4k (ggml blocks) run them one
+    /// after the other.
+    #[arg(long, default_value = "f32")]
+    weights: difftx_serve::engine::ServeWeights,
+    /// Requests decoded together at most; more wait in the queue.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Largest max_tokens a request may ask for [default: the model's context].
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Require 'Authorization: Bearer KEY' on /v1 endpoints (also read from DIFFTX_API_KEY).
+    #[arg(long, env = "DIFFTX_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Seconds running requests may go on after SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 10.0)]
+    shutdown_grace: f64,
+    /// The model's id in the API [default: the folder's name].
+    #[arg(long)]
+    model_id: Option<String>,
+}
+
+#[derive(Args)]
 struct EvalArgs {
     #[arg(long)]
     model: PathBuf,
@@ -310,6 +350,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => cmd_train(a),
         Command::Generate(a) => cmd_generate(a),
+        Command::Serve(a) => cmd_serve(a),
         Command::Eval(a) => cmd_eval(a),
         Command::Logits(a) => cmd_logits(a),
         Command::Info(a) => cmd_info(a),
@@ -502,6 +543,24 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, a.precision)?;
     println!();
     Ok(())
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
+        bail!("--shutdown-grace must be a number of seconds >= 0, got {}", a.shutdown_grace);
+    }
+    let opts = difftx_serve::ServeOptions {
+        host: a.host,
+        port: a.port,
+        weights: a.weights,
+        max_batch: a.max_batch,
+        max_queue: a.max_queue,
+        max_tokens: a.max_tokens,
+        api_key: a.api_key,
+        shutdown_grace: std::time::Duration::from_secs_f64(a.shutdown_grace),
+        model_id: a.model_id,
+    };
+    difftx_serve::run(&a.model, opts)
 }
 
 fn cmd_eval(a: EvalArgs) -> Result<()> {

@@ -79,6 +79,10 @@ fn decoder_logits_match_the_full_forward_at_every_position() {
             assert!(err <= 1e-4 * scale, "{name}: position {t}: max |diff| {err} (logits up to {scale})");
         }
         assert_eq!(seq.len(), cfg.max_seq_len);
+        // The whole context as one prompt: every position a row of one pass.
+        let mut whole = dec.new_sequence();
+        let last = dec.prefill(&mut whole, &ids).unwrap();
+        assert!(max_abs(&last, &full[cfg.max_seq_len - 1]) <= 1e-4 * scale, "{name}: prefill of the context");
         // The context is full: one more step is an error, not a panic.
         let err = dec.step(&mut [&mut seq], &[0]).unwrap_err().to_string();
         assert!(err.contains("context"), "{err}");
@@ -87,35 +91,43 @@ fn decoder_logits_match_the_full_forward_at_every_position() {
 
 #[test]
 fn batched_steps_equal_single_steps_at_different_positions() {
+    // Attention of a pass on one thread, and split over threads.
     for (name, cfg) in configs() {
-        let m = model(&cfg, 9);
-        let dec = Decoder::new(&m).unwrap();
-        let prompts = [tokens(3, cfg.vocab_size, 2), tokens(11, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
-        let next = [tokens(6, cfg.vocab_size, 5), tokens(6, cfg.vocab_size, 6), tokens(6, cfg.vocab_size, 7)];
-        // One at a time.
-        let mut single = Vec::new();
-        for (p, nx) in prompts.iter().zip(&next) {
-            let mut seq = dec.new_sequence();
-            dec.prefill(&mut seq, p).unwrap();
-            single.push(nx.iter().map(|&t| dec.step(&mut [&mut seq], &[t]).unwrap()).collect::<Vec<_>>());
+        for threshold in [usize::MAX, 0] {
+            batched_equals_single(&format!("{name}, split from {threshold}"), &cfg, threshold);
         }
-        // All three in each step.
-        let mut seqs: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let mut s = dec.new_sequence();
-                dec.prefill(&mut s, p).unwrap();
-                s
-            })
-            .collect();
-        for i in 0..6 {
-            let toks: Vec<u32> = next.iter().map(|n| n[i]).collect();
-            let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let logits = dec.step(&mut refs, &toks).unwrap();
-            for (r, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
-                let err = max_abs(row, &single[r][i]);
-                assert!(err < 1e-5, "{name}: sequence {r} step {i}: {err}");
-            }
+    }
+}
+
+fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize) {
+    let m = model(cfg, 9);
+    let mut dec = Decoder::new(&m).unwrap();
+    dec.set_parallel_attention_macs(parallel_from);
+    let prompts = [tokens(3, cfg.vocab_size, 2), tokens(11, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
+    let next = [tokens(6, cfg.vocab_size, 5), tokens(6, cfg.vocab_size, 6), tokens(6, cfg.vocab_size, 7)];
+    // One at a time.
+    let mut single = Vec::new();
+    for (p, nx) in prompts.iter().zip(&next) {
+        let mut seq = dec.new_sequence();
+        dec.prefill(&mut seq, p).unwrap();
+        single.push(nx.iter().map(|&t| dec.step(&mut [&mut seq], &[t]).unwrap()).collect::<Vec<_>>());
+    }
+    // All three in each step.
+    let mut seqs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = dec.new_sequence();
+            dec.prefill(&mut s, p).unwrap();
+            s
+        })
+        .collect();
+    for i in 0..6 {
+        let toks: Vec<u32> = next.iter().map(|n| n[i]).collect();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let logits = dec.step(&mut refs, &toks).unwrap();
+        for (r, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
+            let err = max_abs(row, &single[r][i]);
+            assert!(err < 1e-5, "{name}: sequence {r} step {i}: {err}");
         }
     }
 }
@@ -200,8 +212,8 @@ fn check_rounded(name: &str, cfg: &ModelConfig, precision: WeightPrecision) {
     let decoder = Decoder::with_precision(&m, precision).unwrap();
     let (exact, reference) = (Decoder::new(&m).unwrap(), Decoder::new(&rounded_weights).unwrap());
     let ids = tokens(20, cfg.vocab_size, 9);
-    // The prompt runs through Model::forward in f32 (prefill), so both start from the decoder's
-    // cache: the steps are what differ.
+    // Both start from the prompt's cache of the decoder at `precision` (the reference's
+    // weights are the same numbers): the steps are what is compared.
     let mut a = decoder.new_sequence();
     decoder.prefill(&mut a, &ids[..3]).unwrap();
     let mut b = a.clone();

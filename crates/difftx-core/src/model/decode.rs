@@ -17,15 +17,15 @@
 //! ```
 //!
 //! Both maps of a differential head are weighed into one value pass (`p1 − λ·p2`), so the maps
-//! are never materialised as outputs and never concatenated. Sequences in one step may sit at
-//! different positions (a server's batch). The prompt itself is run by `Model::forward` (one
-//! batched pass, the tested path) and its keys and values copied into the cache.
+//! are never materialised as outputs and never concatenated. One pass runs any set of rows: the
+//! positions of a prompt (prefill), or one new token of each of several sequences at different
+//! positions (a server's batch); each row attends to its own sequence up to its own position.
 //!
 //! The decoder holds an f32 snapshot of the weights taken at construction; it covers f32 models
 //! on the CPU with the fused kernels and no quantisation probes (`Decoder::supports`), which is
 //! every model `generate` meets outside the experiments' probes.
 
-use super::{AttnKind, KvCache, Linear, Model, SubLayerNorm};
+use super::{AttnKind, Linear, Model, SubLayerNorm};
 use crate::config::{HeadPairing, RopeStyle};
 use crate::ops::Kernels;
 use anyhow::{bail, ensure, Result};
@@ -34,6 +34,7 @@ use difftx_kernels::decode::{
     matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, weighted_values, PackedWeight,
     WeightPrecision,
 };
+use rayon::prelude::*;
 
 /// How a layer turns its heads' attention into its output features.
 enum Mix {
@@ -101,21 +102,23 @@ struct LayerCache<'a> {
     len: usize,
 }
 
-/// Buffers of one step, reused by every row and layer.
+/// One thread's buffers for attending rows, reused by every row and layer.
 struct Scratch {
     /// The two maps' attention weights of one head pair, [positions].
     p1: Vec<f32>,
     p2: Vec<f32>,
     /// A diff-v1 pair's output before its norm, [2d].
     pair: Vec<f32>,
-    /// The row's rotated queries [n_q, d] and keys [n_kv, d].
-    q: Vec<f32>,
-    k: Vec<f32>,
 }
 
-/// A model's weights laid out for decoding, borrowed with the model they came from.
-pub struct Decoder<'m> {
-    model: &'m Model,
+/// Prompt positions run as rows of one pass at most (bounds the pass's buffers).
+const PREFILL_CHUNK: usize = 512;
+
+/// Default of `Decoder::parallel_attention_macs` (below it, waking a thread costs more than it saves).
+const PARALLEL_ATTENTION_MACS: usize = 1 << 16;
+
+/// A model's weights laid out for decoding (a copy: the decoder does not borrow the model).
+pub struct Decoder {
     layers: Vec<LayerWeights>,
     embed: Vec<f32>,
     final_norm: Vec<f32>,
@@ -135,6 +138,8 @@ pub struct Decoder<'m> {
     o_in: usize,
     norm_eps: f64,
     max_seq_len: usize,
+    /// Attention multiply-adds of a pass from which its rows are attended on several threads.
+    parallel_attention_macs: usize,
 }
 
 fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
@@ -164,7 +169,7 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
-impl<'m> Decoder<'m> {
+impl Decoder {
     /// Whether `Decoder::new` accepts this model: f32 on the CPU, fused kernels, no quantised
     /// layers and no quantisation probes (those run through `Model::forward`).
     pub fn supports(model: &Model) -> bool {
@@ -185,7 +190,7 @@ impl<'m> Decoder<'m> {
 
     /// Copies the model's weights into the decoder's layout (a snapshot: later changes to the
     /// model's weights are not seen).
-    pub fn new(model: &'m Model) -> Result<Self> {
+    pub fn new(model: &Model) -> Result<Self> {
         Decoder::with_precision(model, WeightPrecision::F32)
     }
 
@@ -194,7 +199,7 @@ impl<'m> Decoder<'m> {
     /// is bound by memory bandwidth). Activations, the KV cache, norms and the embedding stay f32,
     /// so the only change is the weights' rounding. The prompt itself runs through
     /// `Model::forward` in f32.
-    pub fn with_precision(model: &'m Model, precision: WeightPrecision) -> Result<Self> {
+    pub fn with_precision(model: &Model, precision: WeightPrecision) -> Result<Self> {
         if !Decoder::supports(model) {
             bail!(
                 "the fused decoder runs f32 CPU models with the fused kernels and no quantisation; \
@@ -235,7 +240,6 @@ impl<'m> Decoder<'m> {
         }
         let a = &model.blocks[0].attn;
         Ok(Decoder {
-            model,
             layers,
             embed: to_f32(&model.embed)?,
             final_norm: to_f32(&model.norm)?,
@@ -253,7 +257,14 @@ impl<'m> Decoder<'m> {
             o_in: cfg.attention_shapes().o_in,
             norm_eps: cfg.norm_eps,
             max_seq_len: cfg.max_seq_len,
+            parallel_attention_macs: PARALLEL_ATTENTION_MACS,
         })
+    }
+
+    /// Sets how much attention work (multiply-adds of one pass) is split over threads: 0 always
+    /// splits, `usize::MAX` never (tests of both paths; tuning).
+    pub fn set_parallel_attention_macs(&mut self, macs: usize) {
+        self.parallel_attention_macs = macs;
     }
 
     /// The model's context length: a sequence holds at most this many positions.
@@ -284,8 +295,9 @@ impl<'m> Decoder<'m> {
         seq.cap = cap;
     }
 
-    /// Starts `seq` over with `prompt` (one batched `Model::forward`) and returns the logits of the
-    /// prompt's last position, [vocab].
+    /// Starts `seq` over with `prompt` and returns the logits of the prompt's last position,
+    /// [vocab]. The prompt's positions run as rows of one pass (in chunks of `PREFILL_CHUNK`),
+    /// each attending to the positions up to its own.
     pub fn prefill(&self, seq: &mut SequenceCache, prompt: &[u32]) -> Result<Vec<f32>> {
         ensure!(!prompt.is_empty(), "the prompt is empty: give at least one token");
         ensure!(
@@ -294,91 +306,122 @@ impl<'m> Decoder<'m> {
             prompt.len(),
             self.max_seq_len
         );
-        let mut cache = KvCache::new(self.model.config());
-        let ids = Tensor::new(prompt, self.model.device())?.unsqueeze(0)?;
-        let logits = self.model.forward(&ids, Some(&mut cache))?;
         if seq.k.len() != self.layers.len() {
             *seq = self.new_sequence();
         }
         seq.clear();
-        let len = prompt.len();
-        self.reserve(seq, len);
-        for (l, layer_cache) in cache.layers.iter().enumerate() {
-            let (Some(k), Some(v)) = (layer_cache.k()?, layer_cache.v()?) else {
-                bail!("the model's cache of layer {l} is empty after the prompt")
-            };
-            // Keys [1, n_kv, S, d] -> [n_kv, d, S] into rows of length cap.
-            let kt = to_f32(&k.squeeze(0)?.transpose(1, 2)?.contiguous()?)?;
-            for (row, src) in kt.chunks_exact(len).enumerate() {
-                seq.k[l][row * seq.cap..row * seq.cap + len].copy_from_slice(src);
-            }
-            // Values [1, n_kv, S, d] -> [S, n_kv, d].
-            seq.v[l].extend(to_f32(&v.transpose(1, 2)?.contiguous()?)?);
+        let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
+        let mut logits = Vec::new();
+        for (c, chunk) in chunks.iter().enumerate() {
+            let rows: Vec<(usize, u32)> = chunk.iter().map(|&t| (0, t)).collect();
+            let last = if c + 1 == chunks.len() { vec![chunk.len() - 1] } else { Vec::new() };
+            logits = self.forward_rows(&mut [&mut *seq], &rows, &last)?;
         }
-        seq.len = len;
-        Ok(super::last_logits(&logits)?)
+        Ok(logits)
     }
 
     /// Appends `tokens[r]` to `seqs[r]` for every r and returns the next-token logits of each,
     /// row-major [r, vocab]. Every sequence must have room for one more position.
     pub fn step(&self, seqs: &mut [&mut SequenceCache], tokens: &[u32]) -> Result<Vec<f32>> {
-        let n = tokens.len();
-        ensure!(seqs.len() == n, "{} sequences but {} tokens", seqs.len(), n);
-        for (seq, &t) in seqs.iter().zip(tokens) {
+        ensure!(seqs.len() == tokens.len(), "{} sequences but {} tokens", seqs.len(), tokens.len());
+        let rows: Vec<(usize, u32)> = tokens.iter().copied().enumerate().collect();
+        let all: Vec<usize> = (0..rows.len()).collect();
+        self.forward_rows(seqs, &rows, &all)
+    }
+
+    /// The decoder's one forward: row `i` appends token `rows[i].1` to sequence `seqs[rows[i].0]`
+    /// at that sequence's next free position (rows of one sequence take consecutive positions, in
+    /// order). Returns the logits of the rows listed in `logit_rows`, row-major.
+    ///
+    /// Per layer, every row's keys and values are written first (in row order), then the rows
+    /// attend, each to the positions up to its own: one row of a prompt is one row here, so a
+    /// prompt and a batch of sequences run the same code. Attention is split over the rows across
+    /// threads when there is enough of it.
+    fn forward_rows(
+        &self,
+        seqs: &mut [&mut SequenceCache],
+        rows: &[(usize, u32)],
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let n = rows.len();
+        // Each row's position, and how many positions each sequence gains.
+        let mut gained = vec![0usize; seqs.len()];
+        let mut pos = Vec::with_capacity(n);
+        for &(s, t) in rows {
+            ensure!(s < seqs.len(), "row for sequence {s} of {}", seqs.len());
             ensure!((t as usize) < self.vocab, "token {t} is outside the vocabulary of {} tokens", self.vocab);
+            ensure!(seqs[s].k.len() == self.layers.len(), "this cache was not made by this decoder (new_sequence)");
+            let p = seqs[s].len + gained[s];
             ensure!(
-                seq.len < self.max_seq_len,
+                p < self.max_seq_len,
                 "the sequence already fills the model's context of {} tokens",
                 self.max_seq_len
             );
-            ensure!(seq.k.len() == self.layers.len(), "this cache was not made by this decoder (new_sequence)");
+            pos.push(p);
+            gained[s] += 1;
         }
         let (dm, d, dff) = (self.d_model, self.head_dim, self.d_ff);
         let (q_out, kv_out) = (self.n_q * d, self.n_kv * d);
         let qkv_width = self.layers.first().map_or(0, |l| l.qkv.out_dim());
-        let longest = seqs.iter().map(|s| s.len + 1).max().unwrap_or(0);
-        // Buffers of this step, reused by every layer.
+        let longest = pos.iter().map(|p| p + 1).max().unwrap_or(0);
+        // Buffers of this pass, reused by every layer.
         let mut x = Vec::with_capacity(n * dm);
-        for &t in tokens {
+        for &(_, t) in rows {
             x.extend_from_slice(&self.embed[t as usize * dm..(t as usize + 1) * dm]);
         }
         let mut h = vec![0f32; n * dm];
         let mut qkv = vec![0f32; n * qkv_width];
+        let mut q_rot = vec![0f32; n * q_out];
+        let mut k_rot = vec![0f32; kv_out];
         let mut att = vec![0f32; n * self.o_in];
         let mut delta = vec![0f32; n * dm];
         let mut gate_up = vec![0f32; n * 2 * dff];
         let mut act = vec![0f32; n * dff];
-        let mut scratch = Scratch {
-            p1: vec![0f32; longest],
-            p2: vec![0f32; longest],
-            pair: vec![0f32; 2 * d],
-            q: vec![0f32; q_out],
-            k: vec![0f32; kv_out],
-        };
-        for seq in seqs.iter_mut() {
-            self.reserve(seq, seq.len + 1);
+        for (seq, &g) in seqs.iter_mut().zip(&gained) {
+            let needed = seq.len + g;
+            self.reserve(seq, needed);
         }
+        // Split attention over threads only where it outweighs waking them (multiply-adds of
+        // scores and values, summed over rows).
+        let attention_work: usize = pos.iter().map(|p| (p + 1) * 2 * q_out).sum();
+        let parallel = n >= 2 && attention_work >= self.parallel_attention_macs && rayon::current_num_threads() > 1;
         for (l, lw) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
             matmul_packed(&h, &lw.qkv, &mut qkv);
-            att.fill(0.0);
-            for (r, seq) in seqs.iter_mut().enumerate() {
-                let row = &qkv[r * qkv_width..(r + 1) * qkv_width];
-                let pos = seq.len;
+            // Keys and values of every row into its sequence's cache, queries rotated aside.
+            for (i, &(s, _)) in rows.iter().enumerate() {
+                let row = &qkv[i * qkv_width..(i + 1) * qkv_width];
                 let (q, rest) = row.split_at(q_out);
                 let (k, rest) = rest.split_at(kv_out);
-                let (v, lambda_logits) = rest.split_at(kv_out);
-                self.rope(q, pos, &mut scratch.q);
-                self.rope(k, pos, &mut scratch.k);
+                let v = &rest[..kv_out];
+                self.rope(q, pos[i], &mut q_rot[i * q_out..(i + 1) * q_out]);
+                self.rope(k, pos[i], &mut k_rot);
+                let seq = &mut *seqs[s];
                 let cap = seq.cap;
-                for (row, &kv) in scratch.k.iter().enumerate() {
-                    seq.k[l][row * cap + pos] = kv;
+                for (feature, &kv) in k_rot.iter().enumerate() {
+                    seq.k[l][feature * cap + pos[i]] = kv;
                 }
                 seq.v[l].extend_from_slice(v);
-                let len = pos + 1;
-                let out = &mut att[r * self.o_in..(r + 1) * self.o_in];
-                let cache = LayerCache { keys_t: &seq.k[l], cap, values: &seq.v[l], len };
-                self.attend(&lw.mix, lambda_logits, &cache, &mut scratch, out);
+            }
+            let caches: Vec<(&[f32], usize, &[f32])> =
+                seqs.iter().map(|s| (s.k[l].as_slice(), s.cap, s.v[l].as_slice())).collect();
+            let attend_row = |scratch: &mut Scratch, i: usize, out: &mut [f32]| {
+                let (keys_t, cap, values) = caches[rows[i].0];
+                let lambda_logits = &qkv[i * qkv_width + q_out + 2 * kv_out..(i + 1) * qkv_width];
+                let cache = LayerCache { keys_t, cap, values, len: pos[i] + 1 };
+                out.fill(0.0);
+                self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, scratch, out);
+            };
+            let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
+            if parallel {
+                att.par_chunks_mut(self.o_in)
+                    .enumerate()
+                    .for_each_init(new_scratch, |scratch, (i, out)| attend_row(scratch, i, out));
+            } else {
+                let mut scratch = new_scratch();
+                for (i, out) in att.chunks_exact_mut(self.o_in).enumerate() {
+                    attend_row(&mut scratch, i, out);
+                }
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
             add_into(&mut x, &delta);
@@ -390,12 +433,18 @@ impl<'m> Decoder<'m> {
             matmul_packed(&act, &lw.down, &mut delta);
             add_into(&mut x, &delta);
         }
-        for seq in seqs.iter_mut() {
-            seq.len += 1;
+        for (seq, &g) in seqs.iter_mut().zip(&gained) {
+            seq.len += g;
         }
-        rms_norm_rows(&x, &self.final_norm, self.norm_eps, &mut h);
-        let mut logits = vec![0f32; n * self.vocab];
-        matmul_packed(&h, &self.lm_head, &mut logits);
+        // The head only for the rows whose logits are wanted.
+        let mut last = Vec::with_capacity(logit_rows.len() * dm);
+        for &i in logit_rows {
+            last.extend_from_slice(&x[i * dm..(i + 1) * dm]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        rms_norm_rows(&last, &self.final_norm, self.norm_eps, &mut normed);
+        let mut logits = vec![0f32; logit_rows.len() * self.vocab];
+        matmul_packed(&normed, &self.lm_head, &mut logits);
         Ok(logits)
     }
 
@@ -408,11 +457,19 @@ impl<'m> Decoder<'m> {
 
     /// One row's attention output `out` ([o_in], zeroed) from its rotated queries (`scratch.q`,
     /// [n_q, d]) over the first `cache.len` cached positions.
-    fn attend(&self, mix: &Mix, lambda_logits: &[f32], cache: &LayerCache, scratch: &mut Scratch, out: &mut [f32]) {
+    fn attend(
+        &self,
+        mix: &Mix,
+        q: &[f32],
+        lambda_logits: &[f32],
+        cache: &LayerCache,
+        scratch: &mut Scratch,
+        out: &mut [f32],
+    ) {
         let d = self.head_dim;
         let (cap, len, stride) = (cache.cap, cache.len, self.n_kv * d);
         let scale = 1.0 / (d as f32).sqrt();
-        let Scratch { p1, p2, pair, q, .. } = scratch;
+        let Scratch { p1, p2, pair } = scratch;
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
         // Head h's keys [d, cap] and its values from the first position to the last.

@@ -499,7 +499,7 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
         "Mixture (about {} characters in documents of at most {} characters, windows start at document starts; \
          shares of characters): text {:.2}, needle {:.2}, recall {:.2}, in-context {:.2}; keys of {} letter(s) from {}, values of {} digit(s); {}–{} needles per needle \
          document, {}–{} pairs per recall document (filler {}–{} words), {}–{} demonstrations of {}–{} classes \
-         ({} input letter(s) per class in an episode).\n\n",
+         (inputs from {} of each class's group of letters in an episode).\n\n",
         s.windows * m.doc_chars,
         m.doc_chars,
         m.text_fraction,
@@ -519,7 +519,7 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
         m.shots.1,
         m.classes.0,
         m.classes.1,
-        if m.icl_letters == 0 { "all".to_string() } else { m.icl_letters.to_string() },
+        if m.icl_letters == 0 { "every letter".to_string() } else { format!("{} letter(s)", m.icl_letters) },
     ));
     if runs.iter().all(|r| !r.value("train", LM_LOSS).is_finite()) {
         md.push_str(
