@@ -311,8 +311,9 @@ pub struct CompareArgs {
     /// Seeds per family (error bars are 95% t-intervals over seeds).
     #[arg(long, default_value_t = 3)]
     pub seeds: usize,
-    /// Training budget per model: steps ("90", "300steps") or total wall time split over all
-    /// models ("15m", "900s", "1h").
+    /// Training budget: steps per model ("90", "300steps"), or the training time of the whole
+    /// compare ("15m", "900s", "1h"), turned into one step count for every model by timing a few
+    /// steps of each first (equal tokens per family and size).
     #[arg(long, default_value_t = compare::DEFAULT_STEPS.to_string())]
     pub budget: String,
     /// A one-minute smoke run (2 seeds, a few steps, small instrument settings).

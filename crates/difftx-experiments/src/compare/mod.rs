@@ -38,8 +38,9 @@ use std::time::Instant;
 pub enum Budget {
     /// Optimizer steps per model.
     Steps(usize),
-    /// Wall-clock seconds of training in all, split evenly over the models; steps then differ
-    /// between arms (slower attention trains fewer tokens; the loss curves are against tokens).
+    /// Wall-clock seconds of training in all. Converted to one step budget for every model before
+    /// training (`steps_for_seconds`): equal tokens per arm and width, and a full warmup +
+    /// cosine schedule.
     Seconds(f64),
 }
 
@@ -186,6 +187,8 @@ pub struct Settings {
     pub arms: Vec<Arm>,
     pub seeds: usize,
     pub budget: Budget,
+    /// The seconds of a `--budget` given as a time, once converted to steps in `budget`.
+    pub budget_seconds: Option<f64>,
     pub quick: bool,
     pub seq_len: usize,
     pub batch_size: usize,
@@ -218,7 +221,6 @@ struct Plan {
     main: bool,
     dir: PathBuf,
     topts: TrainOptions,
-    time_limit: Option<f64>,
 }
 
 /// A finished run and what the instruments measured on it.
@@ -334,6 +336,7 @@ fn resolve_settings(opts: &CompareOptions) -> Result<Settings> {
         arms,
         seeds,
         budget,
+        budget_seconds: None,
         quick,
         seq_len,
         batch_size,
@@ -359,12 +362,8 @@ fn run_dir(out: &Path, arm: &Arm, seed: usize, width: usize, main: bool) -> Path
 }
 
 fn plan_runs(s: &Settings, out: &Path, data: &Path) -> Result<Vec<Plan>> {
-    let (steps, time_limit) = match s.budget {
-        Budget::Steps(n) => (n, None),
-        Budget::Seconds(t) => {
-            let runs = s.arms.len() * s.seeds * s.widths.len();
-            (1_000_000, Some(t * s.jobs as f64 / runs as f64))
-        }
+    let Budget::Steps(steps) = s.budget else {
+        bail!("compare: a budget in seconds must be converted to steps before the runs are planned");
     };
     let mut plans = Vec::new();
     // Seeds outermost, so the first finished runs already pair every arm.
@@ -388,7 +387,7 @@ fn plan_runs(s: &Settings, out: &Path, data: &Path) -> Result<Vec<Plan>> {
                     decay: Decay::Cosine,
                     adamw: AdamWParams { weight_decay: 0.1, ..Default::default() },
                     grad_clip: 1.0,
-                    eval_every: if time_limit.is_some() { 50 } else { (steps / 12).max(1) },
+                    eval_every: (steps / 12).max(1),
                     eval_batches: if s.quick { 1 } else { 4 },
                     checkpoint_every: usize::MAX,
                     log_every: 1,
@@ -397,7 +396,7 @@ fn plan_runs(s: &Settings, out: &Path, data: &Path) -> Result<Vec<Plan>> {
                     windows: WindowStart::DocumentStart,
                 };
                 let dir = run_dir(out, arm, seed, width, main);
-                plans.push(Plan { arm: arm.clone(), seed, width, main, dir, topts, time_limit });
+                plans.push(Plan { arm: arm.clone(), seed, width, main, dir, topts });
             }
         }
     }
@@ -552,9 +551,9 @@ fn execute(
     let reused = check_reusable(p)?;
     if reused {
         say(bar, format!("compare: reusing the finished run in {}", p.dir.display()));
-        bar.inc(p.topts.steps.min(1_000_000) as u64);
+        bar.inc(p.topts.steps as u64);
     } else {
-        let ctl = RunControl { time_limit_secs: p.time_limit, overall: Some(bar.clone()), ..Default::default() };
+        let ctl = RunControl { overall: Some(bar.clone()), ..Default::default() };
         train_new(&p.dir, &p.topts, tok, ds, &ctl)?;
     }
     let (train_curve, val_curve) = read_curves(&p.dir)?;
@@ -663,6 +662,64 @@ fn execute_all(
     Ok(results.into_inner().unwrap().into_iter().flatten().collect())
 }
 
+/// The step budget that fits `seconds` of training in all: every model gets the same number of
+/// steps (equal tokens for every arm and width, a full warmup + cosine schedule), as many as the
+/// slowest model fits into its share of the time (`seconds × jobs / runs`). Each (arm, width) is
+/// timed on the real mixture for a few steps on `threads_per_job` threads, twice, and the
+/// difference gives the time per step without the start-up. Timed alone, runs go a little faster
+/// than side by side, hence a 10% margin; the wall time still varies with the machine's load.
+fn steps_for_seconds(
+    s: &Settings,
+    out: &Path,
+    data: &Path,
+    tok: &Tokenizer,
+    ds: &TokenDataset,
+    seconds: f64,
+) -> Result<usize> {
+    const SHORT: usize = 2;
+    const LONG: usize = 8;
+    let timing_dir = out.join("budget-timing");
+    let _ = std::fs::remove_dir_all(&timing_dir);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(s.threads_per_job)
+        .build()
+        .context("cannot start the timing runs' thread pool")?;
+    let timed = |steps: usize| -> Result<Vec<f64>> {
+        let one = Settings { seeds: 1, budget: Budget::Steps(steps), ..s.clone() };
+        let plans = plan_runs(&one, &timing_dir.join(format!("{steps}")), data)?;
+        plans
+            .iter()
+            .map(|p| {
+                let ctl = RunControl { overall: Some(indicatif::ProgressBar::hidden()), ..Default::default() };
+                let start = Instant::now();
+                pool.install(|| train_new(&p.dir, &p.topts, tok, ds, &ctl))?;
+                Ok(start.elapsed().as_secs_f64())
+            })
+            .collect()
+    };
+    eprintln!("compare: timing a few steps of each model to turn {seconds:.0} s into a step budget ...");
+    let (short, long) = (timed(SHORT)?, timed(LONG)?);
+    let _ = std::fs::remove_dir_all(&timing_dir);
+    let per_step =
+        short.iter().zip(&long).map(|(a, b)| (b - a) / (LONG - SHORT) as f64).fold(f64::MIN_POSITIVE, f64::max);
+    let runs = s.arms.len() * s.seeds * s.widths.len();
+    let per_run = seconds * s.jobs as f64 / runs as f64;
+    let steps = (per_run / (1.1 * per_step)).floor() as usize;
+    if steps < 10 {
+        bail!(
+            "compare: a budget of {seconds} s fits only {steps} steps per model ({per_step:.2} s per step for the slowest, \
+             {runs} models, {} side by side); give at least {:.0} s",
+            s.jobs,
+            10.0 * 1.1 * per_step * runs as f64 / s.jobs as f64
+        );
+    }
+    eprintln!(
+        "compare: {seconds:.0} s of training = {steps} steps per model (slowest model {:.3} s per step)",
+        per_step
+    );
+    Ok(steps)
+}
+
 /// Trains, analyses, aggregates and writes the report. Errors (one line) on an unknown or empty
 /// arm list, a budget too small to train, unreadable data, or a run folder holding a different
 /// or unfinished run.
@@ -693,12 +750,17 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport> {
     std::fs::write(&mixture_file, lines.join("\n") + "\n")
         .with_context(|| format!("cannot write {}", mixture_file.display()))?;
 
+    if let Budget::Seconds(seconds) = s.budget {
+        let steps = steps_for_seconds(&s, &opts.out, &mixture_file, &tok, &ds, seconds)?;
+        s.budget = Budget::Steps(steps);
+        s.budget_seconds = Some(seconds);
+    }
     let plans = plan_runs(&s, &opts.out, &mixture_file)?;
     for p in &plans {
         check_reusable(p)?;
     }
-    let total: u64 = plans.iter().map(|p| p.topts.steps.min(1_000_000) as u64 + analysis_units(p)).sum();
-    let bar = if opts.progress && matches!(s.budget, Budget::Steps(_)) {
+    let total: u64 = plans.iter().map(|p| p.topts.steps as u64 + analysis_units(p)).sum();
+    let bar = if opts.progress {
         let b = indicatif::ProgressBar::new(total);
         b.set_style(
             indicatif::ProgressStyle::with_template(

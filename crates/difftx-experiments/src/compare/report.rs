@@ -473,9 +473,11 @@ pub fn write_report(out: &Path, s: &Settings, runs: &[RunResult], start: Instant
         s.seq_len,
         s.arms.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", "),
         s.seeds,
-        match s.budget {
-            super::Budget::Steps(n) => format!("{n} steps per model"),
-            super::Budget::Seconds(t) => format!("{:.0} s of training in all", t),
+        match (s.budget, s.budget_seconds) {
+            (super::Budget::Steps(n), Some(t)) =>
+                format!("{n} steps per model (timed to fit {t:.0} s of training in all)"),
+            (super::Budget::Steps(n), None) => format!("{n} steps per model"),
+            (super::Budget::Seconds(t), _) => format!("{:.0} s of training in all", t),
         },
         s.batch_size,
         s.seq_len,
