@@ -44,7 +44,8 @@ enum Command {
     Eval(EvalArgs),
     /// Dump logits for token ids: IN holds an integer `input_ids` [B, T]; OUT gets f32 `logits` [B, T, V] (and the ids).
     Logits(LogitsArgs),
-    /// Write a model as a Hugging Face folder: diff-v1 as DiffLlama, baseline as Llama.
+    /// Write a model as a Hugging Face folder: diff-v1 as DiffLlama, baseline as Llama, diff-v2 as
+    /// DifftxDiffV2ForCausalLM with its PyTorch code beside it (load with trust_remote_code=True).
     Export(ExportArgs),
     /// Show a config's shapes and parameter counts for all three families side by side.
     Info(InfoArgs),
@@ -616,7 +617,11 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
         "wrote {} ({} as {})",
         a.out.display(),
         cfg.family,
-        if cfg.family == Family::DiffV1 { "DiffLlamaForCausalLM" } else { "LlamaForCausalLM" }
+        match cfg.family {
+            Family::DiffV1 => "DiffLlamaForCausalLM",
+            Family::Baseline => "LlamaForCausalLM",
+            Family::DiffV2 => "DifftxDiffV2ForCausalLM, remote code beside it",
+        }
     );
     Ok(())
 }

@@ -13,7 +13,12 @@
 //! Export converts a native model to those conventions: interleaved head pairing -> halves (q/k/v
 //! heads `2j, 2j+1` -> `j, j + count/2`), interleaved RoPE -> rotate-half (within each q/k head row
 //! `2i` -> `i`, `2i+1` -> `i + d/2`) and the diff-v1 sub-layer-norm gain folded into the o_proj
-//! columns of every head. diff-v2 has no HF counterpart.
+//! columns of every head.
+//!
+//! diff-v2 has no class in transformers: its export writes the engine's own weights and layout
+//! with a PyTorch implementation beside them (`configuration_difftx_diff_v2.py`,
+//! `modeling_difftx_diff_v2.py` from `src/hf_remote/`, named in config.json's `auto_map`, loaded
+//! with `trust_remote_code=True`), and import reads such folders back.
 
 use crate::checkpoint::{write_atomic, CONFIG_FILE};
 use crate::config::{Family, HeadPairing, ModelConfig, RopeStyle};
@@ -28,6 +33,16 @@ use std::path::{Path, PathBuf};
 pub const HF_WEIGHTS_FILE: &str = "model.safetensors";
 /// Index of a sharded HF checkpoint (`weight_map`: tensor name -> shard file).
 pub const HF_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// `model_type` of exported diff-v2 folders.
+pub const DIFF_V2_MODEL_TYPE: &str = "difftx_diff_v2";
+/// Version of the remote code written with diff-v2 exports (`difftx_remote_code_version`).
+pub const DIFF_V2_REMOTE_CODE_VERSION: u64 = 1;
+/// The remote code files of a diff-v2 export and their contents.
+const DIFF_V2_REMOTE_CODE: [(&str, &str); 2] = [
+    ("configuration_difftx_diff_v2.py", include_str!("hf_remote/configuration_difftx_diff_v2.py")),
+    ("modeling_difftx_diff_v2.py", include_str!("hf_remote/modeling_difftx_diff_v2.py")),
+];
 
 /// True when `dir/config.json` exists and is a Hugging Face config (has a `model_type` key).
 pub fn is_hf_dir(dir: &Path) -> bool {
@@ -44,7 +59,31 @@ pub fn read_hf_config(dir: &Path) -> Result<ModelConfig> {
     }
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let value: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    if value.get("model_type").and_then(Value::as_str) == Some(DIFF_V2_MODEL_TYPE) {
+        check_remote_code(dir, &value)?;
+    }
     hf_config_from_json(&value).with_context(|| format!("{}: unsupported Hugging Face config", path.display()))
+}
+
+/// A diff-v2 folder must carry the remote code it was written with (transformers needs it; its
+/// version says what the weights mean).
+fn check_remote_code(dir: &Path, v: &Value) -> Result<()> {
+    for (file, _) in DIFF_V2_REMOTE_CODE {
+        if !dir.join(file).is_file() {
+            bail!(
+                "{} is a difftx diff-v2 folder but {file} is missing (re-export it with `difftx export`)",
+                dir.display()
+            );
+        }
+    }
+    match v.get("difftx_remote_code_version").and_then(Value::as_u64) {
+        Some(DIFF_V2_REMOTE_CODE_VERSION) => Ok(()),
+        other => bail!(
+            "{}: remote code version {} is not the version this difftx reads ({DIFF_V2_REMOTE_CODE_VERSION}); re-export it",
+            dir.display(),
+            other.map_or("missing".to_string(), |n| n.to_string())
+        ),
+    }
 }
 
 fn get_usize(v: &Value, key: &str) -> Result<Option<usize>> {
@@ -86,7 +125,8 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
     let family = match model_type {
         "diffllama" => Family::DiffV1,
         "llama" => Family::Baseline,
-        other => bail!("unknown model_type '{other}' (supported: diffllama, llama)"),
+        DIFF_V2_MODEL_TYPE => Family::DiffV2,
+        other => bail!("unknown model_type '{other}' (supported: diffllama, llama, {DIFF_V2_MODEL_TYPE})"),
     };
     if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
         if act != "silu" {
@@ -139,6 +179,13 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
     let n_kv_heads = if family == Family::DiffV1 && file_kv % 2 == 1 { 2 * file_kv } else { file_kv };
     // transformers' defaults: DiffLlamaConfig 1e-5, LlamaConfig 1e-6.
     let default_eps = if family == Family::DiffV1 { 1e-5 } else { 1e-6 };
+    // diff-v2 exports keep the engine's RoPE style (written as `rope_style`).
+    let rope_style = match v.get("rope_style").and_then(Value::as_str) {
+        None if family != Family::DiffV2 => RopeStyle::RotateHalf,
+        Some("rotate_half") => RopeStyle::RotateHalf,
+        Some("interleaved") if family == Family::DiffV2 => RopeStyle::Interleaved,
+        other => bail!("rope_style {other:?} is not supported for model_type '{model_type}'"),
+    };
     let eps = get_f64(v, "rms_norm_eps")?.unwrap_or(default_eps);
     let cfg = ModelConfig {
         family,
@@ -151,7 +198,7 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
         d_ff: req_usize(v, "intermediate_size")?,
         max_seq_len: get_usize(v, "max_position_embeddings")?.unwrap_or(2048),
         rope_theta: theta.unwrap_or(10000.0),
-        rope_style: RopeStyle::RotateHalf,
+        rope_style,
         head_pairing: HeadPairing::Halves,
         subln: true,
         subln_affine: false,
@@ -298,7 +345,11 @@ pub fn load_hf_weights(dir: &Path, cfg: &ModelConfig, device: &Device) -> Result
         bail!(
             "{}: unexpected tensor '{name}' for a {} model with this config.json",
             file.display(),
-            if cfg.family == Family::DiffV1 { "DiffLlama" } else { "Llama" }
+            match cfg.family {
+                Family::DiffV1 => "DiffLlama",
+                Family::Baseline => "Llama",
+                Family::DiffV2 => "difftx diff-v2",
+            }
         );
     }
     Ok(weights)
@@ -338,9 +389,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
     let (arch, model_type) = match cfg.family {
         Family::DiffV1 => ("DiffLlamaForCausalLM", "diffllama"),
         Family::Baseline => ("LlamaForCausalLM", "llama"),
-        Family::DiffV2 => {
-            bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported")
-        }
+        Family::DiffV2 => ("DifftxDiffV2ForCausalLM", DIFF_V2_MODEL_TYPE),
     };
     check_subln_exportable(cfg)?;
     let mut v = json!({
@@ -374,7 +423,21 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
         Family::DiffV1 => {
             obj.insert("lambda_std_dev".into(), json!(cfg.lambda_std));
         }
-        _ => {
+        Family::DiffV2 => {
+            obj.insert(
+                "auto_map".into(),
+                json!({
+                    "AutoConfig": "configuration_difftx_diff_v2.DifftxDiffV2Config",
+                    "AutoModelForCausalLM": "modeling_difftx_diff_v2.DifftxDiffV2ForCausalLM",
+                }),
+            );
+            let style = if cfg.rope_style == RopeStyle::Interleaved { "interleaved" } else { "rotate_half" };
+            obj.insert("rope_style".into(), json!(style));
+            obj.insert("difftx_remote_code_version".into(), json!(DIFF_V2_REMOTE_CODE_VERSION));
+            // HF's default RoPE parameters would be read as rotate-half by generic tools.
+            obj.remove("rope_parameters");
+        }
+        Family::Baseline => {
             obj.insert("mlp_bias".into(), json!(false));
             obj.insert("pretraining_tp".into(), json!(1));
         }
@@ -384,9 +447,6 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Result<Value> {
 
 /// Converts native weights to HF names and layouts (module docs); f32, `lm_head` omitted when tied.
 pub fn to_hf_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-    if cfg.family == Family::DiffV2 {
-        bail!("diff-v2 has no Hugging Face class: only diff-v1 (DiffLlama) and baseline (Llama) can be exported");
-    }
     cfg.validate()?;
     check_subln_exportable(cfg)?;
     if cfg.family == Family::DiffV1 && cfg.subln_eps != cfg.norm_eps {
@@ -418,7 +478,8 @@ pub fn to_hf_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Re
         } else {
             None
         };
-        if let Some(count) = heads {
+        // diff-v2's remote code uses the engine's own layout: nothing to permute.
+        if let Some(count) = heads.filter(|_| cfg.family != Family::DiffV2) {
             if cfg.family == Family::DiffV1 && cfg.head_pairing == HeadPairing::Interleaved {
                 t = interleaved_to_halves(&t, count, d)?;
             }
@@ -438,9 +499,9 @@ pub fn to_hf_weights(cfg: &ModelConfig, weights: &HashMap<String, Tensor>) -> Re
     Ok(out)
 }
 
-/// Writes a HF folder (`config.json`, `model.safetensors`) for a diff-v1 (DiffLlama) or baseline
-/// (Llama) model. Errors for diff-v2, for diff-v1 without the sub-layer norm (`subln: false`) and
-/// for diff-v1 with `subln_eps != norm_eps`.
+/// Writes a HF folder (`config.json`, `model.safetensors`) for a diff-v1 (DiffLlama), baseline
+/// (Llama) or diff-v2 model (with its remote code). Errors for diff-v1 without the sub-layer norm
+/// (`subln: false`) and for diff-v1 with `subln_eps != norm_eps`.
 pub fn export_hf(cfg: &ModelConfig, weights: &HashMap<String, Tensor>, out_dir: &Path) -> Result<()> {
     let config = hf_config_json(cfg)?;
     let tensors = to_hf_weights(cfg, weights)?;
@@ -449,6 +510,11 @@ pub fn export_hf(cfg: &ModelConfig, weights: &HashMap<String, Tensor>, out_dir: 
     let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
         .context("cannot serialise the exported weights")?;
     write_atomic(&out_dir.join(HF_WEIGHTS_FILE), &bytes)?;
+    if cfg.family == Family::DiffV2 {
+        for (file, code) in DIFF_V2_REMOTE_CODE {
+            write_atomic(&out_dir.join(file), code.as_bytes())?;
+        }
+    }
     write_atomic(&out_dir.join(CONFIG_FILE), serde_json::to_string_pretty(&config)?.as_bytes())?;
     Ok(())
 }

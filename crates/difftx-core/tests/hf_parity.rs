@@ -111,6 +111,8 @@ fn fixture_parity() {
         "diffllama_bf16",
         "llama_gqa",
         "llama_sharded",
+        "diffv2_gqa",
+        "diffv2_tied_rotate_half",
     ] {
         assert!(names.iter().any(|n| n == want), "fixture {want} missing (have {names:?})");
     }
@@ -343,7 +345,9 @@ fn export_roundtrip(cfg: &ModelConfig, name: &str) -> f32 {
     assert!(is_hf_dir(&dir));
     let (cfg2, w2) = load_model(&dir, DType::F32, &dev).unwrap();
     assert_eq!(cfg2.family, cfg.family);
-    assert_eq!((cfg2.rope_style, cfg2.subln_affine), (RopeStyle::RotateHalf, false));
+    // DiffLlama and Llama are rotate-half; diff-v2's remote code keeps the engine's style.
+    let style = if cfg.family == Family::DiffV2 { cfg.rope_style } else { RopeStyle::RotateHalf };
+    assert_eq!((cfg2.rope_style, cfg2.subln_affine), (style, false));
     assert_eq!(cfg2.tie_embeddings, cfg.tie_embeddings);
     assert_eq!(cfg2.head_dim(), cfg.head_dim());
     let model2 = Model::from_weights(&cfg2, &w2).unwrap();
@@ -418,13 +422,40 @@ fn export_of_hf_layout_is_lossless() {
 }
 
 #[test]
+fn export_diff_v2_with_its_remote_code() {
+    let mut cfg = native_config(Family::DiffV2);
+    cfg.n_kv_heads = 2;
+    export_roundtrip(&cfg, "v2_interleaved_gqa");
+    cfg.tie_embeddings = true;
+    cfg.rope_style = RopeStyle::RotateHalf;
+    export_roundtrip(&cfg, "v2_tied_rotate_half");
+}
+
+#[test]
+fn diff_v2_folders_need_their_remote_code_of_this_version() {
+    let dir = tmp_dir("v2_remote");
+    let cfg = native_config(Family::DiffV2);
+    export_hf(&cfg, &random_weights(&cfg, 1), &dir).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "difftx_diff_v2");
+    assert_eq!(config["auto_map"]["AutoModelForCausalLM"], "modeling_difftx_diff_v2.DifftxDiffV2ForCausalLM");
+    assert!(read_hf_config(&dir).is_ok());
+    let mut old = config.clone();
+    old["difftx_remote_code_version"] = serde_json::json!(0);
+    std::fs::write(dir.join("config.json"), old.to_string()).unwrap();
+    let e = format!("{:#}", read_hf_config(&dir).unwrap_err());
+    assert!(e.contains("remote code version 0"), "{e}");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::remove_file(dir.join("modeling_difftx_diff_v2.py")).unwrap();
+    let e = format!("{:#}", read_hf_config(&dir).unwrap_err());
+    assert!(e.contains("modeling_difftx_diff_v2.py is missing"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn export_errors() {
     let dir = tmp_dir("export_err");
-    let cfg = native_config(Family::DiffV2);
-    let w = random_weights(&cfg, 1);
-    let e = format!("{:#}", export_hf(&cfg, &w, &dir.join("v2")).unwrap_err());
-    assert!(e.contains("diff-v2 has no Hugging Face class"), "{e}");
-    assert!(!dir.join("v2").exists());
     let mut cfg = native_config(Family::DiffV1);
     cfg.subln_eps = 1e-6;
     let w = random_weights(&cfg, 1);
