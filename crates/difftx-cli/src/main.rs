@@ -124,6 +124,11 @@ struct TrainArgs {
     /// A tokenizer.json (default: bytes, vocabulary 256).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Fine-tune: start from this model's weights (a difftx run or model folder, or a Hugging Face
+    /// DiffLlama / Llama / exported diff-v2 folder) with its config and tokenizer, instead of a
+    /// random initialisation. Excludes --preset, --config, --family and --tokenizer.
+    #[arg(long, conflicts_with_all = ["preset", "config", "family", "tokenizer", "resume"])]
+    init: Option<PathBuf>,
     /// Run folder: checkpoint/, metrics.jsonl, train_config.json.
     #[arg(long, default_value = "runs/default")]
     out: PathBuf,
@@ -407,11 +412,24 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         let s = trainer::train_resume(&a.out, &tok, &ds, &ctl)?;
         (opts, s)
     } else {
-        let mut model = a.model.resolve()?;
-        let tok = load_tokenizer(a.tokenizer.as_deref())?;
-        if a.tokenizer.is_some() {
-            model.vocab_size = tok.vocab_size();
-        }
+        // --init: the model's shape and tokenizer are the starting model's own.
+        let (model, tok, tokenizer, init_dir) = match &a.init {
+            Some(init) => {
+                let dir = checkpoint::resolve_model_dir(init)?;
+                let model = checkpoint::read_config(&dir)?;
+                let tok = Tokenizer::from_model_dir(&dir)?;
+                let file = dir.join(difftx_core::tokenizer::TOKENIZER_JSON);
+                (model, tok, file.is_file().then_some(file), Some(dir))
+            }
+            None => {
+                let mut model = a.model.resolve()?;
+                let tok = load_tokenizer(a.tokenizer.as_deref())?;
+                if a.tokenizer.is_some() {
+                    model.vocab_size = tok.vocab_size();
+                }
+                (model, tok, a.tokenizer.clone(), None)
+            }
+        };
         let data = match &a.data {
             Some(d) => d.clone(),
             None => difftx_train::data::bundled_corpus()?,
@@ -421,7 +439,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             model,
             data: data.clone(),
             jsonl_field: a.field.clone(),
-            tokenizer: a.tokenizer.clone(),
+            tokenizer,
             steps: a.steps,
             batch_size: a.batch_size,
             seq_len,
@@ -439,6 +457,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             seed: a.seed,
             val_fraction: a.val_fraction,
             windows: a.windows,
+            init: init_dir,
         };
         opts.validate()?;
         let texts = load_texts(&data, &a.field)?;

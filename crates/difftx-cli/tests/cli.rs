@@ -526,3 +526,83 @@ fn bench_quick_reports_json_with_child_process_memory() {
     assert_eq!(r["env"]["CANDLE_NUM_THREADS"].as_str(), Some("1"));
     assert!(r["ratios"]["train_step_time_diff-v1_over_baseline"].as_f64().unwrap() > 0.0);
 }
+
+fn trainer_state(run: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("checkpoint/trainer_state.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn init_fine_tunes_a_trained_model_and_an_exported_diff_v2_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = small_text(dir.path());
+    let cfg = micro_config(dir.path(), "diff-v1");
+    let base = dir.path().join("base");
+    let (c, t, b) = (cfg.to_str().unwrap(), text.to_str().unwrap(), base.to_str().unwrap());
+    ok(&train_args(c, t, b, "diff-v1"));
+    let trained = trainer_state(&base)["last_val_loss"].as_f64().unwrap();
+    let untrained = trainer_state(&base)["initial_val_loss"].as_f64().unwrap();
+    // Fine-tuning starts where the base model ended, not from a random model.
+    let tuned = dir.path().join("tuned");
+    let tu = tuned.to_str().unwrap();
+    ok(&[
+        "train",
+        "--init",
+        b,
+        "--data",
+        t,
+        "--out",
+        tu,
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+    ]);
+    let start = trainer_state(&tuned)["initial_val_loss"].as_f64().unwrap();
+    assert!((start - trained).abs() < 1e-6, "fine-tuning started at {start}, the base ended at {trained}");
+    assert!(start < untrained - 0.1);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tuned.join("train_config.json")).unwrap()).unwrap();
+    assert!(config["init"].as_str().unwrap().ends_with("checkpoint"), "{config}");
+    // The exported diff-v2 fixture (a Hugging Face folder with remote code) fine-tunes too.
+    let v2 = repo_root().join("tests/fixtures/hf/diffv2_gqa");
+    let out = dir.path().join("v2");
+    ok(&[
+        "train",
+        "--init",
+        v2.to_str().unwrap(),
+        "--data",
+        t,
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+    ]);
+    // A model whose vocabulary the tokenizer does not fit, and --init with a shape flag: clear errors.
+    fails_with(
+        &[
+            "train",
+            "--init",
+            repo_root().join("tests/fixtures/hf/diffllama_tied").to_str().unwrap(),
+            "--data",
+            t,
+            "--out",
+            dir.path().join("x").to_str().unwrap(),
+        ],
+        "vocabulary",
+    );
+    let out = run(&["train", "--init", b, "--family", "baseline", "--out", dir.path().join("y").to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+}

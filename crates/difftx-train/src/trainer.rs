@@ -60,6 +60,10 @@ pub struct TrainOptions {
     /// Where training windows start (document starts keep short documents whole).
     #[serde(default)]
     pub windows: WindowStart,
+    /// Start from this model folder's weights (a difftx run or model, or a Hugging Face folder)
+    /// instead of a random initialisation (`difftx train --init`): fine-tuning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<PathBuf>,
 }
 
 impl TrainOptions {
@@ -220,8 +224,37 @@ pub fn train_new(
     std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     write_atomic(&out_dir.join(TRAIN_CONFIG_FILE), serde_json::to_string_pretty(opts)?.as_bytes())?;
     let _ = std::fs::remove_file(out_dir.join(METRICS_FILE));
-    let weights = init_weights(&opts.model, opts.seed, DType::F32, &Device::Cpu)?;
+    let weights = match &opts.init {
+        None => init_weights(&opts.model, opts.seed, DType::F32, &Device::Cpu)?,
+        Some(dir) => initial_weights_from(dir, &opts.model)?,
+    };
     run(out_dir, opts, tok, ds, ctl, weights, None, TrainerState::default())
+}
+
+/// The weights of the model folder `dir`, in parameter order, checked to have `model`'s shapes.
+fn initial_weights_from(dir: &Path, model: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
+    let (cfg, mut weights) = difftx_core::checkpoint::load_model(dir, DType::F32, &Device::Cpu)
+        .with_context(|| format!("cannot start from {}", dir.display()))?;
+    let shapes = |c: &ModelConfig| -> Vec<(String, Vec<usize>)> {
+        difftx_core::model::param_specs(c).into_iter().map(|p| (p.name, p.shape)).collect()
+    };
+    if shapes(&cfg) != shapes(model) || cfg.family != model.family {
+        bail!(
+            "{} holds a {} model of another shape than this run's {} model: --init takes the model's own config",
+            dir.display(),
+            cfg.family,
+            model.family
+        );
+    }
+    difftx_core::model::param_specs(model)
+        .into_iter()
+        .map(|spec| {
+            let t = weights
+                .remove(&spec.name)
+                .with_context(|| format!("{}: weight '{}' is missing", dir.display(), spec.name))?;
+            Ok((spec.name, t))
+        })
+        .collect()
 }
 
 /// Reads a run's saved options.

@@ -394,6 +394,7 @@ fn plan_runs(s: &Settings, out: &Path, data: &Path) -> Result<Vec<Plan>> {
                     seed: 1000 + seed as u64,
                     val_fraction: VAL_FRACTION,
                     windows: WindowStart::DocumentStart,
+                    init: None,
                 };
                 let dir = run_dir(out, arm, seed, width, main);
                 plans.push(Plan { arm: arm.clone(), seed, width, main, dir, topts });
