@@ -317,6 +317,11 @@ struct ExportArgs {
     /// Output folder (config.json, model.safetensors, tokenizer.json when the model has one).
     #[arg(long)]
     out: PathBuf,
+    /// hf: a Hugging Face folder (DiffLlama, Llama, or diff-v2 with its PyTorch code); official:
+    /// diff-v1 in the layout of the authors' MultiheadDiffAttn (interleaved pairs and RoPE,
+    /// sub-layer-norm gain, out_proj), which difftx reads back.
+    #[arg(long, default_value = "hf", value_parser = ["hf", "official"])]
+    layout: String,
 }
 
 #[derive(Args)]
@@ -625,7 +630,11 @@ fn cmd_logits(a: LogitsArgs) -> Result<()> {
 fn cmd_export(a: ExportArgs) -> Result<()> {
     let dir = checkpoint::resolve_model_dir(&a.model)?;
     let (cfg, weights) = checkpoint::load_model(&dir, DType::F32, &Device::Cpu)?;
-    difftx_core::hf::export_hf(&cfg, &weights, &a.out)?;
+    if a.layout == "official" {
+        difftx_core::official::export_official(&cfg, &weights, &a.out)?;
+    } else {
+        difftx_core::hf::export_hf(&cfg, &weights, &a.out)?;
+    }
     let tok = dir.join("tokenizer.json");
     if tok.is_file() {
         std::fs::copy(&tok, a.out.join("tokenizer.json")).with_context(|| format!("cannot copy {}", tok.display()))?;
@@ -637,6 +646,7 @@ fn cmd_export(a: ExportArgs) -> Result<()> {
         a.out.display(),
         cfg.family,
         match cfg.family {
+            _ if a.layout == "official" => "the official MultiheadDiffAttn layout",
             Family::DiffV1 => "DiffLlamaForCausalLM",
             Family::Baseline => "LlamaForCausalLM",
             Family::DiffV2 => "DifftxDiffV2ForCausalLM, remote code beside it",

@@ -103,6 +103,9 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         // A Hugging Face folder (DiffLlama / Llama): mapped onto the engine's config.
         return crate::hf::read_hf_config(dir);
     }
+    if crate::official::is_official_config(&value) {
+        return crate::official::config_from_official_json(&value).with_context(|| format!("{}", path.display()));
+    }
     let file: NativeConfigFile =
         serde_json::from_value(value).with_context(|| format!("{} is not a difftx model config", path.display()))?;
     if file.format != NATIVE_FORMAT {
@@ -110,6 +113,14 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     }
     file.model.validate().with_context(|| path.display().to_string())?;
     Ok(file.model)
+}
+
+/// Whether `dir/config.json` is an official Diff-Transformer layout (`official.rs`).
+fn is_official_dir(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join(CONFIG_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| crate::official::is_official_config(&v))
 }
 
 /// Loads config and weights (converted to `dtype`) from a model or run folder.
@@ -125,6 +136,14 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<(ModelCon
         return Ok((cfg, weights));
     }
     let cfg = read_config(&dir)?;
+    if is_official_dir(&dir) {
+        let raw = crate::official::load_official_weights(&dir, &cfg, device)?;
+        let mut weights = HashMap::with_capacity(raw.len());
+        for (name, t) in raw {
+            weights.insert(name, t.to_dtype(dtype)?);
+        }
+        return Ok((cfg, weights));
+    }
     let raw = read_safetensors(&dir.join(WEIGHTS_FILE), device)?;
     let mut weights = HashMap::with_capacity(raw.len());
     for (name, t) in raw {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod generate;
 pub mod hf;
 pub mod model;
+pub mod official;
 pub mod ops;
 pub mod tokenizer;
 
