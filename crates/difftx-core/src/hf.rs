@@ -184,7 +184,8 @@ pub fn hf_config_from_json(v: &Value) -> Result<ModelConfig> {
         None if family != Family::DiffV2 => RopeStyle::RotateHalf,
         Some("rotate_half") => RopeStyle::RotateHalf,
         Some("interleaved") if family == Family::DiffV2 => RopeStyle::Interleaved,
-        other => bail!("rope_style {other:?} is not supported for model_type '{model_type}'"),
+        None => bail!("missing 'rope_style' (interleaved or rotate_half)"),
+        Some(other) => bail!("rope_style '{other}' is not supported for model_type '{model_type}'"),
     };
     let eps = get_f64(v, "rms_norm_eps")?.unwrap_or(default_eps);
     let cfg = ModelConfig {

@@ -501,3 +501,32 @@ fn dump_export_for_python() {
         eprintln!("wrote {}", dir.display());
     }
 }
+
+#[test]
+fn a_folder_whose_weights_are_of_another_family_is_a_clear_error() {
+    // diff-v2 weights under a DiffLlama config.json, and DiffLlama weights under a diff-v2 one.
+    let dir = tmp_dir("family_mismatch");
+    copy_dir(&fixtures_dir().join("diffv2_gqa"), &dir);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model_type"] = serde_json::json!("diffllama");
+    config.as_object_mut().unwrap().remove("rope_style");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let e = format!("{:#}", load_model(&dir, DType::F32, &Device::Cpu).unwrap_err());
+    assert!(e.contains("unexpected tensor") || e.contains("shape"), "{e}");
+    let dir2 = tmp_dir("family_mismatch2");
+    copy_dir(&fixtures_dir().join("diffllama_tied"), &dir2);
+    for f in ["configuration_difftx_diff_v2.py", "modeling_difftx_diff_v2.py"] {
+        std::fs::copy(fixtures_dir().join("diffv2_gqa").join(f), dir2.join(f)).unwrap();
+    }
+    let path = dir2.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model_type"] = serde_json::json!("difftx_diff_v2");
+    config["difftx_remote_code_version"] = serde_json::json!(1);
+    config["rope_style"] = serde_json::json!("rotate_half");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let e = format!("{:#}", load_model(&dir2, DType::F32, &Device::Cpu).unwrap_err());
+    assert!(e.contains("missing") || e.contains("shape"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir2);
+}
