@@ -119,6 +119,18 @@ fn fixture_parity() {
     for d in dirs {
         check_reference(&d);
     }
+    // The diff-v2 fixtures carry the remote code export writes today (else: re-run
+    // scripts/make_diff_v2_fixtures.sh, which also re-checks the class in PyTorch).
+    for name in ["diffv2_gqa", "diffv2_tied_rotate_half"] {
+        for file in ["configuration_difftx_diff_v2.py", "modeling_difftx_diff_v2.py"] {
+            let fixture = std::fs::read_to_string(fixtures_dir().join(name).join(file)).unwrap();
+            let source = std::fs::read_to_string(manifest().join("src/hf_remote").join(file)).unwrap();
+            assert!(
+                fixture == source,
+                "{name}/{file} is older than src/hf_remote/{file}: re-run scripts/make_diff_v2_fixtures.sh"
+            );
+        }
+    }
 }
 
 #[test]

@@ -344,7 +344,10 @@ impl Worker {
             let tokens: Vec<u32> = running.iter().map(|r| r.next).collect();
             let logits = {
                 let mut caches: Vec<&mut Cache> = running.iter_mut().map(|r| &mut r.cache).collect();
-                backend.step(&mut caches, &tokens)
+                // A panic in a kernel must not stop the server: this step's requests fail (their
+                // caches may be half written), the loop goes on with the next ones.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.step(&mut caches, &tokens)))
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("internal error: the decode step panicked")))
             };
             let logits = match logits {
                 Ok(l) => l,
@@ -370,7 +373,9 @@ impl Worker {
     fn join<'t>(&'t self, backend: &Backend, job: Job, context: usize) -> Option<Running<'t>> {
         let started = || -> Result<(Cache, Sampler, Vec<f32>)> {
             let sampler = Sampler::new(job.sampling.clone())?;
-            let (cache, logits) = backend.prefill(&job.prompt)?;
+            let (cache, logits) =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prefill(&job.prompt)))
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("internal error: the prompt's pass panicked")))?;
             Ok((cache, sampler, logits))
         };
         let (cache, mut sampler, logits) = match started() {
