@@ -375,6 +375,19 @@ fn interleaved_to_rotate_half(w: &Tensor, d: usize) -> Result<Tensor> {
     Ok(w.reshape((rows / d, d / 2, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
+/// Heads `j, j + count/2` -> `2j, 2j+1` for w: [count·d, D] (the inverse of `interleaved_to_halves`).
+pub(crate) fn halves_to_interleaved(w: &Tensor, count: usize, d: usize) -> Result<Tensor> {
+    let cols = w.dim(1)?;
+    Ok(w.reshape((2, count / 2, d, cols))?.transpose(0, 1)?.contiguous()?.reshape((count * d, cols))?)
+}
+
+/// Within each head of w: [heads·d, D], row `i` -> `2i`, `i + d/2` -> `2i+1` (the inverse of
+/// `interleaved_to_rotate_half`).
+pub(crate) fn rotate_half_to_interleaved(w: &Tensor, d: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    Ok(w.reshape((rows / d, 2, d / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
+}
+
 /// DiffLlama always applies the sub-layer norm: the `subln: false` ablation has no HF form.
 fn check_subln_exportable(cfg: &ModelConfig) -> Result<()> {
     if cfg.family == Family::DiffV1 && !cfg.subln {

@@ -18,6 +18,7 @@
 
 use crate::checkpoint::{write_atomic, CONFIG_FILE, WEIGHTS_FILE};
 use crate::config::{Family, HeadPairing, ModelConfig, RopeStyle};
+use crate::hf::{halves_to_interleaved, rotate_half_to_interleaved};
 use crate::model::param_specs;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -60,18 +61,6 @@ fn check_exportable(cfg: &ModelConfig) -> Result<()> {
         bail!("cannot export to the official layout: subln_eps {} (the official module fixes 1e-5)", cfg.subln_eps);
     }
     Ok(())
-}
-
-/// Heads `j, j + count/2` -> `2j, 2j+1` for w: [count·d, D] (the inverse of the HF export's).
-fn halves_to_interleaved(w: &Tensor, count: usize, d: usize) -> Result<Tensor> {
-    let cols = w.dim(1)?;
-    Ok(w.reshape((2, count / 2, d, cols))?.transpose(0, 1)?.contiguous()?.reshape((count * d, cols))?)
-}
-
-/// Within each head of w: [heads·d, D], row `i` -> `2i`, `i + d/2` -> `2i+1`.
-fn rotate_half_to_interleaved(w: &Tensor, d: usize) -> Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    Ok(w.reshape((rows / d, 2, d / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
 /// The official config.json for a diff-v1 config.

@@ -120,13 +120,17 @@ pub struct EngineOptions {
 }
 
 impl Engine {
-    /// Starts the decode loop on its own thread; it owns `model` and `tokenizer` from then on.
-    pub fn start(mut model: Model, tokenizer: Tokenizer, opts: EngineOptions, metrics: Arc<Metrics>) -> Result<Self> {
+    /// Starts the decode loop on its own thread; it owns `model` from then on and shares `tokenizer`.
+    pub fn start(
+        mut model: Model,
+        tokenizer: Arc<Tokenizer>,
+        opts: EngineOptions,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self> {
         anyhow::ensure!(opts.max_batch >= 1, "--max-batch must be at least 1");
+        // (The fused decoder checks that it can run the model itself, on the engine thread.)
         if let ServeWeights::Quantized(format) = opts.weights {
             model.quantize_weights(format)?;
-        } else if !Decoder::supports(&model) {
-            anyhow::bail!("this model cannot run in the fused decoder (it must be an f32 model on the CPU)");
         }
         let context = model.config().max_seq_len;
         let (queue, jobs) = std::sync::mpsc::sync_channel(opts.max_queue);
@@ -259,7 +263,7 @@ impl Cache {
 
 /// The engine thread's state.
 struct Worker {
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     opts: EngineOptions,
     jobs: Receiver<Job>,
     cancel: Arc<AtomicBool>,

@@ -75,7 +75,7 @@ impl Default for ServeOptions {
 /// What every handler shares.
 pub struct AppState {
     pub engine: Engine,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
     pub chat: ChatTemplate,
     pub metrics: Arc<Metrics>,
     pub model_id: String,
@@ -96,7 +96,7 @@ impl AppState {
         let model = difftx_core::checkpoint::load_runnable(&dir, &candle_core::Device::Cpu)?;
         let context = model.config().max_seq_len;
         let vocab = model.config().vocab_size;
-        let tokenizer = Tokenizer::from_model_dir(&dir)?;
+        let tokenizer = Arc::new(Tokenizer::from_model_dir(&dir)?);
         let chat = ChatTemplate::from_model_dir(&dir)?;
         let max_tokens = opts.max_tokens.unwrap_or(context);
         anyhow::ensure!(max_tokens >= 1, "--max-tokens must be at least 1");
@@ -108,7 +108,7 @@ impl AppState {
             max_queue: opts.max_queue,
             eos_token: eos_token(&dir),
         };
-        let engine = Engine::start(model, Tokenizer::from_model_dir(&dir)?, engine_opts, metrics.clone())?;
+        let engine = Engine::start(model, tokenizer.clone(), engine_opts, metrics.clone())?;
         let model_id = opts.model_id.clone().unwrap_or_else(|| folder_name(model_dir));
         Ok(AppState {
             engine,

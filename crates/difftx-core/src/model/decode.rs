@@ -197,8 +197,7 @@ impl Decoder {
     /// As `new`, with the linear layers' weights stored at `precision`: bf16 halves the bytes read
     /// per token, int8 (symmetric, one scale per output channel) quarters them (decode at batch 1
     /// is bound by memory bandwidth). Activations, the KV cache, norms and the embedding stay f32,
-    /// so the only change is the weights' rounding. The prompt itself runs through
-    /// `Model::forward` in f32.
+    /// so the only change is the weights' rounding (the prompt's pass included).
     pub fn with_precision(model: &Model, precision: WeightPrecision) -> Result<Self> {
         if !Decoder::supports(model) {
             bail!(
@@ -385,6 +384,9 @@ impl Decoder {
         // scores and values, summed over rows).
         let attention_work: usize = pos.iter().map(|p| (p + 1) * 2 * q_out).sum();
         let parallel = n >= 2 && attention_work >= self.parallel_attention_macs && rayon::current_num_threads() > 1;
+        let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
+        // One thread's scratch serves every layer; split passes make one per task.
+        let mut scratch = new_scratch();
         for (l, lw) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
             matmul_packed(&h, &lw.qkv, &mut qkv);
@@ -412,13 +414,11 @@ impl Decoder {
                 out.fill(0.0);
                 self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, scratch, out);
             };
-            let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
             if parallel {
                 att.par_chunks_mut(self.o_in)
                     .enumerate()
                     .for_each_init(new_scratch, |scratch, (i, out)| attend_row(scratch, i, out));
             } else {
-                let mut scratch = new_scratch();
                 for (i, out) in att.chunks_exact_mut(self.o_in).enumerate() {
                     attend_row(&mut scratch, i, out);
                 }
@@ -455,8 +455,8 @@ impl Decoder {
         rope_heads(x, y, cos, sin, self.head_dim, self.rope_style == RopeStyle::Interleaved);
     }
 
-    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries (`scratch.q`,
-    /// [n_q, d]) over the first `cache.len` cached positions.
+    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries `q` ([n_q, d])
+    /// over the first `cache.len` cached positions.
     fn attend(
         &self,
         mix: &Mix,
