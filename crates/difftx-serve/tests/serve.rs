@@ -195,7 +195,7 @@ async fn batched_equals_alone(weights: ServeWeights) {
     let c = Client::new(&server);
     let reqs: Vec<Value> = (0..8)
         .map(|i| {
-            json!({"prompt": format!("Request {i} says"), "max_tokens": 12 + 3 * i, "seed": 100 + i,
+            json!({"prompt": format!("Request {i} says"), "max_tokens": 120 + 3 * i, "seed": 100 + i,
                    "temperature": if i % 3 == 0 { 0.0 } else { 0.8 }, "top_p": if i % 2 == 0 { 1.0 } else { 0.9 }})
         })
         .collect();
