@@ -464,6 +464,20 @@ impl Attention {
         match &self.kind {
             // O = softmax(Q Kᵀ/√d + mask) V                                   [B, H, T, d]
             AttnKind::Baseline => self.attend(q, k, v, step),
+            AttnKind::DiffV1(diff) if self.both_maps_in_one_pass(step) => {
+                // The same equations as below, with both maps of every pair in one fused attention
+                // over all H query heads: head h reads the kv head flash's GQA gives it, whose
+                // value is its pair's [v1, v2]; the heads are never split (docs/design.md §5).
+                let v = self.pair_values_per_head(v)?; // [B, Hkv, S, 2d]
+                let o = ops::attention(q, k, &v, self.scale(), step.offset, step.opts.kernels)?; // [B, H, T, 2d]
+                let lambda = diff.lambda()?;
+                let layout = match self.pairing {
+                    HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,
+                    HeadPairing::Halves => difftx_kernels::PairLayout::Halves,
+                };
+                let o = difftx_kernels::diff_combine_pairs(&o, &lambda, layout)?; // [B, H/2, T, 2d]
+                diff.norm_and_scale(&o, step.opts.kernels)
+            }
             AttnKind::DiffV1(diff) => {
                 let (q1, q2) = split_pairs(q, self.pairing)?; // [B, H/2, T, d] each
                 let (k1, k2) = split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
@@ -500,6 +514,31 @@ impl Attention {
     fn pair_values(&self, v: &Tensor) -> Result<Tensor> {
         let (v1, v2) = split_pairs(v, self.pairing)?;
         Tensor::cat(&[v1, v2], 3)
+    }
+
+    /// Whether diff-v1 can run both maps in one fused attention over the unsplit heads: fused
+    /// kernels, no logit quantisation probe, and a head layout where flash's GQA rule (query head
+    /// h reads kv head h / (H / Hkv)) sends each map to its own pair's key head. That holds for
+    /// pairs (j, j + H/2) at any GQA ratio, and for pairs (2j, 2j + 1) only without GQA.
+    fn both_maps_in_one_pass(&self, step: &Step) -> bool {
+        step.opts.kernels == Kernels::Fused
+            && step.opts.attn_logit_bits.is_none()
+            && (self.pairing == HeadPairing::Halves || self.n_q == self.n_kv)
+    }
+
+    /// The pair values laid out per kv head for [`Self::both_maps_in_one_pass`]: kv head i holds
+    /// the value [v1, v2] of the pair its key head belongs to, [B, Hkv, S, 2d].
+    fn pair_values_per_head(&self, v: &Tensor) -> Result<Tensor> {
+        let pv = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
+        match self.pairing {
+            // kv heads (i, i + Hkv/2) form pair i
+            HeadPairing::Halves => Tensor::cat(&[&pv, &pv], 1),
+            // kv heads (2i, 2i + 1) form pair i
+            HeadPairing::Interleaved => {
+                let (b, p, s, w) = pv.dims4()?;
+                pv.unsqueeze(2)?.broadcast_as((b, p, 2, s, w))?.reshape((b, 2 * p, s, w))
+            }
+        }
     }
 
     fn scale(&self) -> f64 {
@@ -728,7 +767,9 @@ impl Model {
         let (b, t, v) = logits.dims3()?;
         let logits = logits.reshape((b * t, v))?;
         let logits = if logits.dtype() == DType::F64 { logits } else { logits.to_dtype(DType::F32)? };
-        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+        // One pass over the vocabulary for the loss and one for its gradient (difftx-kernels),
+        // tested against candle-nn's composed log-softmax + gather + mean.
+        difftx_kernels::cross_entropy(&logits, &targets.flatten_all()?)
     }
 
     /// Quantises every linear layer (projections, SwiGLU, LM head) for inference; the embedding

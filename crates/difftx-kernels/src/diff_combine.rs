@@ -7,7 +7,7 @@
 use crate::cpu::{storage_slice, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 const CHUNK: usize = 8192;
@@ -42,25 +42,33 @@ pub(crate) fn diff_combine_fwd<T: Float>(o1: &[T], o2: &[T], lambda: T, z: &mut 
     });
 }
 
-/// Writes do2 and returns dλ; do1 is dz itself.
-pub(crate) fn diff_combine_bwd<T: Float>(o2: &[T], lambda: T, dz: &[T], do2: &mut [T]) -> T {
-    let parts: Vec<T> = do2
-        .par_chunks_mut(CHUNK)
-        .zip(o2.par_chunks(CHUNK).zip(dz.par_chunks(CHUNK)))
-        .map(|(d2, (b, g))| {
-            let mut acc = T::ZERO;
-            for ((o, &y), &gv) in d2.iter_mut().zip(b).zip(g) {
-                *o = T::ZERO - lambda * gv;
-                acc += gv * y;
-            }
-            acc
-        })
-        .collect();
+/// One piece of the backward: writes `do2 = −λ·dz` and returns `Σ dz·o2` over the piece.
+fn second_map_grad<T: Float>(o2: &[T], lambda: T, dz: &[T], do2: &mut [T]) -> T {
+    let mut acc = T::ZERO;
+    for ((o, &y), &gv) in do2.iter_mut().zip(o2).zip(dz) {
+        *o = T::ZERO - lambda * gv;
+        acc += gv * y;
+    }
+    acc
+}
+
+/// dλ = −Σ of the pieces' partial sums, added in order (deterministic at any thread count).
+fn lambda_grad<T: Float>(parts: Vec<T>) -> T {
     let mut s = T::ZERO;
     for p in parts {
         s += p;
     }
     T::ZERO - s
+}
+
+/// Writes do2 and returns dλ; do1 is dz itself.
+pub(crate) fn diff_combine_bwd<T: Float>(o2: &[T], lambda: T, dz: &[T], do2: &mut [T]) -> T {
+    let parts: Vec<T> = do2
+        .par_chunks_mut(CHUNK)
+        .zip(o2.par_chunks(CHUNK).zip(dz.par_chunks(CHUNK)))
+        .map(|(d2, (b, g))| second_map_grad(b, lambda, g, d2))
+        .collect();
+    lambda_grad(parts)
 }
 
 fn fwd_typed<T: Float>(
@@ -125,5 +133,128 @@ impl CustomOp3 for DiffCombine {
             dt => bail!("difftx-diff-combine: unsupported dtype {dt:?}"),
         };
         Ok((Some(dz), Some(do2), Some(dl)))
+    }
+}
+
+/// Where the two maps of each pair sit among the heads of a `[B, 2P, T, w]` tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairLayout {
+    /// Pair j = heads (2j, 2j + 1).
+    Interleaved,
+    /// Pair j = heads (j, j + P).
+    Halves,
+}
+
+/// The same combination read straight from one attention output holding both maps of every
+/// pair: `x` `[B, 2P, T, w]` -> `z[b, j] = x[b, a(j)] − λ·x[b, b(j)]`, `[B, P, T, w]`, with the pairs
+/// `(a(j), b(j))` of `layout`. No head is split or copied: viewed as `[outer, 2, inner]` (outer
+/// = B·P and inner = T·w for interleaved pairs, outer = B and inner = P·T·w for halves), row `o`
+/// of z is `x[o, 0] − λ·x[o, 1]`. Backward: dx[o, 0] = dz[o], dx[o, 1] = −λ·dz[o],
+/// dλ = −Σ dz·x[·, 1] (per-row partial sums added in row order).
+pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, layout: PairLayout) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F32 | DType::F64 => {}
+        dt => bail!("difftx_kernels::diff_combine_pairs: unsupported dtype {dt:?} (f32, f64 only)"),
+    }
+    let (b, heads, t, w) = x.dims4()?;
+    if heads % 2 != 0 {
+        bail!("difftx_kernels::diff_combine_pairs: {heads} heads cannot form pairs");
+    }
+    if lambda.elem_count() != 1 || lambda.dtype() != x.dtype() {
+        bail!(
+            "difftx_kernels::diff_combine_pairs: lambda must be one element of the input's dtype, got {:?} {:?}",
+            lambda.dims(),
+            lambda.dtype()
+        );
+    }
+    let p = heads / 2;
+    let (outer, inner) = match layout {
+        PairLayout::Interleaved => (b * p, t * w),
+        PairLayout::Halves => (b, p * t * w),
+    };
+    x.contiguous()?.apply_op2(&lambda.contiguous()?, DiffCombinePairs { outer, inner })?.reshape((b, p, t, w))
+}
+
+struct DiffCombinePairs {
+    outer: usize,
+    inner: usize,
+}
+
+fn pairs_fwd<T: Float>(x: &[T], lambda: T, inner: usize, z: &mut [T]) {
+    z.par_chunks_mut(inner).zip(x.par_chunks(2 * inner)).for_each(|(zr, xr)| {
+        let (a, b) = xr.split_at(inner);
+        for ((o, &u), &v) in zr.iter_mut().zip(a).zip(b) {
+            *o = u - lambda * v;
+        }
+    });
+}
+
+/// Writes dx and returns dλ.
+fn pairs_bwd<T: Float>(x: &[T], lambda: T, inner: usize, dz: &[T], dx: &mut [T]) -> T {
+    let parts: Vec<T> = dx
+        .par_chunks_mut(2 * inner)
+        .zip(x.par_chunks(2 * inner).zip(dz.par_chunks(inner)))
+        .map(|(dr, (xr, g))| {
+            let (da, db) = dr.split_at_mut(inner);
+            da.copy_from_slice(g);
+            second_map_grad(&xr[inner..], lambda, g, db)
+        })
+        .collect();
+    lambda_grad(parts)
+}
+
+impl CustomOp2 for DiffCombinePairs {
+    fn name(&self) -> &'static str {
+        "difftx-diff-combine-pairs"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn typed<T: Float>(
+            op: &DiffCombinePairs,
+            s1: &CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            let (x, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
+            let mut z = vec![T::ZERO; op.outer * op.inner];
+            pairs_fwd(x, lam[0], op.inner, &mut z);
+            Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[op.outer * op.inner])))
+        }
+        match s1.dtype() {
+            DType::F32 => typed::<f32>(self, s1, l1, s2, l2),
+            DType::F64 => typed::<f64>(self, s1, l1, s2, l2),
+            dt => bail!("difftx-diff-combine-pairs: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        lambda: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn typed<T: Float>(inner: usize, x: &Tensor, lambda: &Tensor, dz: &Tensor) -> Result<(Tensor, Tensor)> {
+            let lam = with_slice::<T, _>(lambda, |l| Ok(l[0]))?;
+            let (dx, dl) = with_slice::<T, _>(x, |xs| {
+                with_slice::<T, _>(dz, |g| {
+                    let mut dx = vec![T::ZERO; xs.len()];
+                    let dl = pairs_bwd(xs, lam, inner, g, &mut dx);
+                    Ok((dx, dl))
+                })
+            })?;
+            Ok((
+                Tensor::from_vec(dx, x.shape(), x.device())?,
+                Tensor::from_vec(vec![dl], lambda.shape(), lambda.device())?,
+            ))
+        }
+        let dz = grad_res.to_dtype(x.dtype())?.contiguous()?;
+        let (dx, dl) = match x.dtype() {
+            DType::F32 => typed::<f32>(self.inner, x, lambda, &dz)?,
+            DType::F64 => typed::<f64>(self.inner, x, lambda, &dz)?,
+            dt => bail!("difftx-diff-combine-pairs: unsupported dtype {dt:?}"),
+        };
+        Ok((Some(dx), Some(dl)))
     }
 }

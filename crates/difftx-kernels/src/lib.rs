@@ -12,7 +12,10 @@
 //! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
 //!   by -θ.
 //! * [`swiglu`]: silu(gate) · up, the SwiGLU gate.
-//! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ.
+//! * [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, loss and gradient in
+//!   one pass each.
+//! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ; [`diff_combine_pairs`] the same read
+//!   straight from one attention output that holds both maps of every pair (no head split).
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
@@ -25,6 +28,7 @@
 //! CPU only: other devices return an error. Supported dtypes: f32 and f64.
 
 mod cpu;
+mod cross_entropy;
 pub mod decode;
 mod diff_combine;
 mod flash;
@@ -34,7 +38,8 @@ mod rope;
 mod softmax;
 mod swiglu;
 
-pub use diff_combine::diff_combine;
+pub use cross_entropy::cross_entropy;
+pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;
 pub use rms_norm::rms_norm;
 pub use rope::rope;

@@ -59,3 +59,78 @@ fn bad_inputs_are_errors() {
     assert!(difftx_kernels::diff_combine(&a, &a.t().unwrap(), &one).is_err());
     assert!(difftx_kernels::diff_combine(&a, &a, &one.to_dtype(DType::F64).unwrap()).is_err());
 }
+
+/// The two maps of pair j as separate tensors, by the layout's definition.
+fn split(x: &Tensor, layout: difftx_kernels::PairLayout) -> (Tensor, Tensor) {
+    let (b, h, t, w) = x.dims4().unwrap();
+    let p = h / 2;
+    match layout {
+        difftx_kernels::PairLayout::Interleaved => {
+            let x = x.reshape((b, p, 2, t, w)).unwrap();
+            (x.narrow(2, 0, 1).unwrap().squeeze(2).unwrap(), x.narrow(2, 1, 1).unwrap().squeeze(2).unwrap())
+        }
+        difftx_kernels::PairLayout::Halves => (x.narrow(1, 0, p).unwrap(), x.narrow(1, p, p).unwrap()),
+    }
+}
+
+#[test]
+fn pairs_match_split_heads_forward_and_backward() {
+    use difftx_kernels::PairLayout;
+    for dt in [DType::F32, DType::F64] {
+        for layout in [PairLayout::Interleaved, PairLayout::Halves] {
+            // One pair of one row; odd sizes; rows that cross rayon's chunking.
+            for (i, dims) in [[1usize, 2, 1, 1], [2, 6, 5, 7], [3, 4, 33, 64]].into_iter().enumerate() {
+                let x = Var::from_tensor(&rand_t(&dims, 40 + i as u64, 1.0, dt).unwrap()).unwrap();
+                let lam = Var::from_tensor(
+                    &Tensor::new(&[0.8f64 - 0.3 * i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap(),
+                )
+                .unwrap();
+                let zf = difftx_kernels::diff_combine_pairs(x.as_tensor(), lam.as_tensor(), layout).unwrap();
+                let (a, b) = split(x.as_tensor(), layout);
+                let zr = a.broadcast_sub(&b.broadcast_mul(lam.as_tensor()).unwrap()).unwrap();
+                let tol = if dt == DType::F64 { 1e-13 } else { 1e-5 };
+                assert_eq!(zf.dims(), zr.dims());
+                assert!(rel_err(&zf, &zr) < tol, "{dt:?} {layout:?} {dims:?}: forward");
+                let w = rand_t(zr.dims(), 50 + i as u64, 1.0, dt).unwrap();
+                let gf = (&zf * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let gr = (&zr * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                for (name, v) in [("x", &x), ("lambda", &lam)] {
+                    let e = rel_err(gf.get(v.as_tensor()).unwrap(), gr.get(v.as_tensor()).unwrap());
+                    assert!(e < tol, "{dt:?} {layout:?} {dims:?}: d{name} {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pairs_backward_matches_finite_differences_f64() {
+    use difftx_kernels::PairLayout;
+    for layout in [PairLayout::Interleaved, PairLayout::Halves] {
+        let dims = [2usize, 4, 3, 5];
+        let x0 = rand_t(&dims, 7, 1.0, DType::F64).unwrap();
+        let l0 = Tensor::new(&[0.45f64], &Device::Cpu).unwrap();
+        let w = rand_t(&[2, 2, 3, 5], 8, 1.0, DType::F64).unwrap();
+        let loss = |x: &Tensor, l: &Tensor| -> Result<f64> {
+            (difftx_kernels::diff_combine_pairs(x, l, layout)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+        };
+        let (x, l) = (Var::from_tensor(&x0).unwrap(), Var::from_tensor(&l0).unwrap());
+        let z = difftx_kernels::diff_combine_pairs(x.as_tensor(), l.as_tensor(), layout).unwrap();
+        let grads = (z.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let nx = finite_diff(&x0, |x| loss(x, &l0), 1e-6).unwrap();
+        let nl = finite_diff(&l0, |l| loss(&x0, l), 1e-6).unwrap();
+        assert!(max_rel_vec(&flat(grads.get(x.as_tensor()).unwrap()), &nx) < 1e-7, "{layout:?}: dx");
+        assert!(max_rel_vec(&flat(grads.get(l.as_tensor()).unwrap()), &nl) < 1e-7, "{layout:?}: dlambda");
+    }
+}
+
+#[test]
+fn pairs_reject_odd_heads_and_bad_lambda() {
+    let x = rand_t(&[1, 3, 2, 2], 1, 1.0, DType::F32).unwrap();
+    let l = Tensor::new(&[0.5f32], &Device::Cpu).unwrap();
+    let e = difftx_kernels::diff_combine_pairs(&x, &l, difftx_kernels::PairLayout::Halves).unwrap_err();
+    assert!(e.to_string().contains("pairs"), "{e}");
+    let x = rand_t(&[1, 2, 2, 2], 1, 1.0, DType::F32).unwrap();
+    let l2 = Tensor::new(&[0.5f32, 0.1], &Device::Cpu).unwrap();
+    assert!(difftx_kernels::diff_combine_pairs(&x, &l2, difftx_kernels::PairLayout::Halves).is_err());
+}
