@@ -493,10 +493,18 @@ impl Attention {
             AttnKind::DiffV2 { lambda_proj } => {
                 // One attention over all 2H query heads; pair j = heads (2j, 2j+1).
                 let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
-                let (oa, ob) = split_pairs(&o, HeadPairing::Interleaved)?; // [B, H, T, d] each
                 let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
-                                                                       // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                      [B, H, T, d]
-                oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)
+                                                                       // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
+                match step.opts.kernels {
+                    // straight from the unsplit output (docs/design.md §5)
+                    Kernels::Fused => {
+                        difftx_kernels::diff_combine_pairs(&o, &lambda, difftx_kernels::PairLayout::Interleaved)
+                    }
+                    Kernels::Reference => {
+                        let (oa, ob) = split_pairs(&o, HeadPairing::Interleaved)?; // [B, H, T, d] each
+                        oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)
+                    }
+                }
             }
         }
     }

@@ -146,11 +146,14 @@ pub enum PairLayout {
 }
 
 /// The same combination read straight from one attention output holding both maps of every
-/// pair: `x` `[B, 2P, T, w]` -> `z[b, j] = x[b, a(j)] − λ·x[b, b(j)]`, `[B, P, T, w]`, with the pairs
-/// `(a(j), b(j))` of `layout`. No head is split or copied: viewed as `[outer, 2, inner]` (outer
-/// = B·P and inner = T·w for interleaved pairs, outer = B and inner = P·T·w for halves), row `o`
-/// of z is `x[o, 0] − λ·x[o, 1]`. Backward: dx[o, 0] = dz[o], dx[o, 1] = −λ·dz[o],
-/// dλ = −Σ dz·x[·, 1] (per-row partial sums added in row order).
+/// pair: `x` `[B, 2P, T, w]` -> `z[b, j, t] = x[b, a(j), t] − λ·x[b, b(j), t]`, `[B, P, T, w]`,
+/// with the pairs `(a(j), b(j))` of `layout`. `lambda` is one element (diff-v1's scalar λ) or one
+/// per pair and position, `B·P·T` elements in `[B, P, T]` order (diff-v2's per-token λ). No head
+/// is split or copied: viewed as `[outer, 2, inner]` (outer = B·P and inner = T·w for interleaved
+/// pairs, outer = B and inner = P·T·w for halves), row `o` of z is `x[o, 0] − λ·x[o, 1]`, and in
+/// both layouts the per-position λ of vector `r` (w elements) of row `o` is `λ[o·inner/w + r]`.
+/// Backward: dx[o, 0] = dz[o], dx[o, 1] = −λ·dz[o]; dλ = −Σ dz·x[·, 1] over everything λ
+/// multiplied (for a scalar λ: per-row partial sums added in row order).
 pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, layout: PairLayout) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 | DType::F64 => {}
@@ -160,47 +163,80 @@ pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, layout: PairLayout) -> Re
     if heads % 2 != 0 {
         bail!("difftx_kernels::diff_combine_pairs: {heads} heads cannot form pairs");
     }
-    if lambda.elem_count() != 1 || lambda.dtype() != x.dtype() {
+    let p = heads / 2;
+    let per_position = lambda.elem_count() == b * p * t && lambda.elem_count() != 1;
+    if !(lambda.elem_count() == 1 || per_position) || lambda.dtype() != x.dtype() {
         bail!(
-            "difftx_kernels::diff_combine_pairs: lambda must be one element of the input's dtype, got {:?} {:?}",
+            "difftx_kernels::diff_combine_pairs: lambda must be one element or B·P·T = {} elements of the input's dtype, got {:?} {:?}",
+            b * p * t,
             lambda.dims(),
             lambda.dtype()
         );
     }
-    let p = heads / 2;
     let (outer, inner) = match layout {
         PairLayout::Interleaved => (b * p, t * w),
         PairLayout::Halves => (b, p * t * w),
     };
-    x.contiguous()?.apply_op2(&lambda.contiguous()?, DiffCombinePairs { outer, inner })?.reshape((b, p, t, w))
+    let op = DiffCombinePairs { outer, inner, width: if per_position { w } else { 0 } };
+    x.contiguous()?.apply_op2(&lambda.contiguous()?, op)?.reshape((b, p, t, w))
 }
 
 struct DiffCombinePairs {
     outer: usize,
     inner: usize,
+    /// w for a λ per position (vector of w elements), 0 for one scalar λ.
+    width: usize,
 }
 
-fn pairs_fwd<T: Float>(x: &[T], lambda: T, inner: usize, z: &mut [T]) {
-    z.par_chunks_mut(inner).zip(x.par_chunks(2 * inner)).for_each(|(zr, xr)| {
-        let (a, b) = xr.split_at(inner);
-        for ((o, &u), &v) in zr.iter_mut().zip(a).zip(b) {
-            *o = u - lambda * v;
+impl DiffCombinePairs {
+    /// λ of element `i` of row `o`.
+    fn lambda_at<T: Float>(&self, lam: &[T], o: usize, i: usize) -> T {
+        match i.checked_div(self.width) {
+            None => lam[0],
+            Some(v) => lam[o * (self.inner / self.width) + v],
         }
-    });
-}
+    }
 
-/// Writes dx and returns dλ.
-fn pairs_bwd<T: Float>(x: &[T], lambda: T, inner: usize, dz: &[T], dx: &mut [T]) -> T {
-    let parts: Vec<T> = dx
-        .par_chunks_mut(2 * inner)
-        .zip(x.par_chunks(2 * inner).zip(dz.par_chunks(inner)))
-        .map(|(dr, (xr, g))| {
-            let (da, db) = dr.split_at_mut(inner);
-            da.copy_from_slice(g);
-            second_map_grad(&xr[inner..], lambda, g, db)
-        })
-        .collect();
-    lambda_grad(parts)
+    fn fwd<T: Float>(&self, x: &[T], lam: &[T], z: &mut [T]) {
+        z.par_chunks_mut(self.inner).zip(x.par_chunks(2 * self.inner)).enumerate().for_each(|(o, (zr, xr))| {
+            let (a, b) = xr.split_at(self.inner);
+            let step = if self.width == 0 { self.inner } else { self.width };
+            for (c, ((zc, ac), bc)) in zr.chunks_mut(step).zip(a.chunks(step)).zip(b.chunks(step)).enumerate() {
+                let l = self.lambda_at(lam, o, c * step);
+                for ((out, &u), &v) in zc.iter_mut().zip(ac).zip(bc) {
+                    *out = u - l * v;
+                }
+            }
+        });
+    }
+
+    /// Writes dx and dλ (one element, or one per position).
+    fn bwd<T: Float>(&self, x: &[T], lam: &[T], dz: &[T], dx: &mut [T], dl: &mut [T]) {
+        let step = if self.width == 0 { self.inner } else { self.width };
+        // Per row: the partial sums Σ dz·x[o, 1] of each λ vector of the row.
+        let parts: Vec<Vec<T>> = dx
+            .par_chunks_mut(2 * self.inner)
+            .zip(x.par_chunks(2 * self.inner).zip(dz.par_chunks(self.inner)))
+            .enumerate()
+            .map(|(o, (dr, (xr, g)))| {
+                let (da, db) = dr.split_at_mut(self.inner);
+                da.copy_from_slice(g);
+                let b = &xr[self.inner..];
+                db.chunks_mut(step)
+                    .zip(b.chunks(step).zip(g.chunks(step)))
+                    .enumerate()
+                    .map(|(c, (dbc, (bc, gc)))| second_map_grad(bc, self.lambda_at(lam, o, c * step), gc, dbc))
+                    .collect()
+            })
+            .collect();
+        if self.width == 0 {
+            dl[0] = lambda_grad(parts.into_iter().flatten().collect());
+        } else {
+            for (d, part) in dl.iter_mut().zip(parts.into_iter().flatten()) {
+                *d = T::ZERO - part;
+            }
+        }
+    }
 }
 
 impl CustomOp2 for DiffCombinePairs {
@@ -218,7 +254,7 @@ impl CustomOp2 for DiffCombinePairs {
         ) -> Result<(CpuStorage, Shape)> {
             let (x, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
             let mut z = vec![T::ZERO; op.outer * op.inner];
-            pairs_fwd(x, lam[0], op.inner, &mut z);
+            op.fwd(x, lam, &mut z);
             Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[op.outer * op.inner])))
         }
         match s1.dtype() {
@@ -235,24 +271,28 @@ impl CustomOp2 for DiffCombinePairs {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        fn typed<T: Float>(inner: usize, x: &Tensor, lambda: &Tensor, dz: &Tensor) -> Result<(Tensor, Tensor)> {
-            let lam = with_slice::<T, _>(lambda, |l| Ok(l[0]))?;
-            let (dx, dl) = with_slice::<T, _>(x, |xs| {
-                with_slice::<T, _>(dz, |g| {
-                    let mut dx = vec![T::ZERO; xs.len()];
-                    let dl = pairs_bwd(xs, lam, inner, g, &mut dx);
-                    Ok((dx, dl))
+        fn typed<T: Float>(
+            op: &DiffCombinePairs,
+            x: &Tensor,
+            lambda: &Tensor,
+            dz: &Tensor,
+        ) -> Result<(Tensor, Tensor)> {
+            let (dx, dl) = with_slice::<T, _>(lambda, |lam| {
+                with_slice::<T, _>(x, |xs| {
+                    with_slice::<T, _>(dz, |g| {
+                        let mut dx = vec![T::ZERO; xs.len()];
+                        let mut dl = vec![T::ZERO; lam.len()];
+                        op.bwd(xs, lam, g, &mut dx, &mut dl);
+                        Ok((dx, dl))
+                    })
                 })
             })?;
-            Ok((
-                Tensor::from_vec(dx, x.shape(), x.device())?,
-                Tensor::from_vec(vec![dl], lambda.shape(), lambda.device())?,
-            ))
+            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dl, lambda.shape(), lambda.device())?))
         }
         let dz = grad_res.to_dtype(x.dtype())?.contiguous()?;
         let (dx, dl) = match x.dtype() {
-            DType::F32 => typed::<f32>(self.inner, x, lambda, &dz)?,
-            DType::F64 => typed::<f64>(self.inner, x, lambda, &dz)?,
+            DType::F32 => typed::<f32>(self, x, lambda, &dz)?,
+            DType::F64 => typed::<f64>(self, x, lambda, &dz)?,
             dt => bail!("difftx-diff-combine-pairs: unsupported dtype {dt:?}"),
         };
         Ok((Some(dx), Some(dl)))

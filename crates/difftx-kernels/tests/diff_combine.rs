@@ -73,31 +73,61 @@ fn split(x: &Tensor, layout: difftx_kernels::PairLayout) -> (Tensor, Tensor) {
     }
 }
 
+/// diff_combine_pairs against split heads and broadcast ops, forward and backward, for one input
+/// `x` `[B, 2P, T, w]` and one λ (a scalar or `[B, P, T, 1]`).
+fn check_pairs_against_split(x: &Tensor, lambda: &Tensor, layout: difftx_kernels::PairLayout, seed: u64) {
+    let dt = x.dtype();
+    let (x, lam) = (Var::from_tensor(x).unwrap(), Var::from_tensor(lambda).unwrap());
+    let zf = difftx_kernels::diff_combine_pairs(x.as_tensor(), lam.as_tensor(), layout).unwrap();
+    let (a, b) = split(x.as_tensor(), layout);
+    let zr = a.broadcast_sub(&b.broadcast_mul(lam.as_tensor()).unwrap()).unwrap();
+    let tol = if dt == DType::F64 { 1e-13 } else { 1e-5 };
+    let what = format!("{dt:?} {layout:?} x {:?} lambda {:?}", x.dims(), lam.dims());
+    assert_eq!(zf.dims(), zr.dims());
+    assert!(rel_err(&zf, &zr) < tol, "{what}: forward");
+    let w = rand_t(zr.dims(), seed, 1.0, dt).unwrap();
+    let gf = (&zf * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gr = (&zr * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (name, v) in [("x", &x), ("lambda", &lam)] {
+        let e = rel_err(gf.get(v.as_tensor()).unwrap(), gr.get(v.as_tensor()).unwrap());
+        assert!(e < tol, "{what}: d{name} {e}");
+    }
+}
+
+/// Gradients of diff_combine_pairs against f64 central differences, for x and λ.
+fn check_pairs_finite_differences(x0: &Tensor, l0: &Tensor, layout: difftx_kernels::PairLayout, seed: u64) {
+    let (b, h, t, wd) = x0.dims4().unwrap();
+    let w = rand_t(&[b, h / 2, t, wd], seed, 1.0, DType::F64).unwrap();
+    let loss = |x: &Tensor, l: &Tensor| -> Result<f64> {
+        (difftx_kernels::diff_combine_pairs(x, l, layout)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+    };
+    let (x, l) = (Var::from_tensor(x0).unwrap(), Var::from_tensor(l0).unwrap());
+    let z = difftx_kernels::diff_combine_pairs(x.as_tensor(), l.as_tensor(), layout).unwrap();
+    let grads = (z.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let nx = finite_diff(x0, |x| loss(x, l0), 1e-6).unwrap();
+    let nl = finite_diff(l0, |l| loss(x0, l), 1e-6).unwrap();
+    assert!(max_rel_vec(&flat(grads.get(x.as_tensor()).unwrap()), &nx) < 1e-7, "{layout:?}: dx");
+    assert!(max_rel_vec(&flat(grads.get(l.as_tensor()).unwrap()), &nl) < 1e-7, "{layout:?}: dlambda");
+}
+
+const LAYOUTS: [difftx_kernels::PairLayout; 2] =
+    [difftx_kernels::PairLayout::Interleaved, difftx_kernels::PairLayout::Halves];
+
+/// (B, P, T, w): one pair of one row; odd sizes; rows that cross rayon's chunking.
+const PAIR_SHAPES: [(usize, usize, usize, usize); 3] = [(1, 1, 1, 1), (2, 3, 5, 7), (3, 2, 33, 64)];
+
 #[test]
 fn pairs_match_split_heads_forward_and_backward() {
-    use difftx_kernels::PairLayout;
     for dt in [DType::F32, DType::F64] {
-        for layout in [PairLayout::Interleaved, PairLayout::Halves] {
-            // One pair of one row; odd sizes; rows that cross rayon's chunking.
-            for (i, dims) in [[1usize, 2, 1, 1], [2, 6, 5, 7], [3, 4, 33, 64]].into_iter().enumerate() {
-                let x = Var::from_tensor(&rand_t(&dims, 40 + i as u64, 1.0, dt).unwrap()).unwrap();
-                let lam = Var::from_tensor(
-                    &Tensor::new(&[0.8f64 - 0.3 * i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap(),
-                )
-                .unwrap();
-                let zf = difftx_kernels::diff_combine_pairs(x.as_tensor(), lam.as_tensor(), layout).unwrap();
-                let (a, b) = split(x.as_tensor(), layout);
-                let zr = a.broadcast_sub(&b.broadcast_mul(lam.as_tensor()).unwrap()).unwrap();
-                let tol = if dt == DType::F64 { 1e-13 } else { 1e-5 };
-                assert_eq!(zf.dims(), zr.dims());
-                assert!(rel_err(&zf, &zr) < tol, "{dt:?} {layout:?} {dims:?}: forward");
-                let w = rand_t(zr.dims(), 50 + i as u64, 1.0, dt).unwrap();
-                let gf = (&zf * &w).unwrap().sum_all().unwrap().backward().unwrap();
-                let gr = (&zr * &w).unwrap().sum_all().unwrap().backward().unwrap();
-                for (name, v) in [("x", &x), ("lambda", &lam)] {
-                    let e = rel_err(gf.get(v.as_tensor()).unwrap(), gr.get(v.as_tensor()).unwrap());
-                    assert!(e < tol, "{dt:?} {layout:?} {dims:?}: d{name} {e}");
-                }
+        for layout in LAYOUTS {
+            for (i, (b, p, t, w)) in PAIR_SHAPES.into_iter().enumerate() {
+                let x = rand_t(&[b, 2 * p, t, w], 40 + i as u64, 1.0, dt).unwrap();
+                // diff-v1: one scalar λ
+                let scalar = Tensor::new(&[0.8f64 - 0.3 * i as f64], &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+                check_pairs_against_split(&x, &scalar, layout, 50 + i as u64);
+                // diff-v2: one λ in (0, 1) per pair and position, [B, P, T, 1]
+                let per_position = (rand_t(&[b, p, t, 1], 70 + i as u64, 0.5, dt).unwrap() + 0.5).unwrap();
+                check_pairs_against_split(&x, &per_position, layout, 80 + i as u64);
             }
         }
     }
@@ -105,22 +135,10 @@ fn pairs_match_split_heads_forward_and_backward() {
 
 #[test]
 fn pairs_backward_matches_finite_differences_f64() {
-    use difftx_kernels::PairLayout;
-    for layout in [PairLayout::Interleaved, PairLayout::Halves] {
-        let dims = [2usize, 4, 3, 5];
-        let x0 = rand_t(&dims, 7, 1.0, DType::F64).unwrap();
-        let l0 = Tensor::new(&[0.45f64], &Device::Cpu).unwrap();
-        let w = rand_t(&[2, 2, 3, 5], 8, 1.0, DType::F64).unwrap();
-        let loss = |x: &Tensor, l: &Tensor| -> Result<f64> {
-            (difftx_kernels::diff_combine_pairs(x, l, layout)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
-        };
-        let (x, l) = (Var::from_tensor(&x0).unwrap(), Var::from_tensor(&l0).unwrap());
-        let z = difftx_kernels::diff_combine_pairs(x.as_tensor(), l.as_tensor(), layout).unwrap();
-        let grads = (z.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let nx = finite_diff(&x0, |x| loss(x, &l0), 1e-6).unwrap();
-        let nl = finite_diff(&l0, |l| loss(&x0, l), 1e-6).unwrap();
-        assert!(max_rel_vec(&flat(grads.get(x.as_tensor()).unwrap()), &nx) < 1e-7, "{layout:?}: dx");
-        assert!(max_rel_vec(&flat(grads.get(l.as_tensor()).unwrap()), &nl) < 1e-7, "{layout:?}: dlambda");
+    for layout in LAYOUTS {
+        let x0 = rand_t(&[2, 4, 3, 5], 7, 1.0, DType::F64).unwrap();
+        check_pairs_finite_differences(&x0, &Tensor::new(&[0.45f64], &Device::Cpu).unwrap(), layout, 8);
+        check_pairs_finite_differences(&x0, &rand_t(&[2, 2, 3, 1], 10, 0.5, DType::F64).unwrap(), layout, 11);
     }
 }
 
@@ -130,7 +148,10 @@ fn pairs_reject_odd_heads_and_bad_lambda() {
     let l = Tensor::new(&[0.5f32], &Device::Cpu).unwrap();
     let e = difftx_kernels::diff_combine_pairs(&x, &l, difftx_kernels::PairLayout::Halves).unwrap_err();
     assert!(e.to_string().contains("pairs"), "{e}");
+    // one λ per pair and position is B·P·T = 2 here; 3 is neither that nor a scalar
     let x = rand_t(&[1, 2, 2, 2], 1, 1.0, DType::F32).unwrap();
-    let l2 = Tensor::new(&[0.5f32, 0.1], &Device::Cpu).unwrap();
-    assert!(difftx_kernels::diff_combine_pairs(&x, &l2, difftx_kernels::PairLayout::Halves).is_err());
+    let l3 = Tensor::new(&[0.5f32, 0.1, 0.2], &Device::Cpu).unwrap();
+    assert!(difftx_kernels::diff_combine_pairs(&x, &l3, difftx_kernels::PairLayout::Halves).is_err());
+    let l64 = Tensor::new(&[0.5f64], &Device::Cpu).unwrap();
+    assert!(difftx_kernels::diff_combine_pairs(&x, &l64, difftx_kernels::PairLayout::Halves).is_err());
 }
