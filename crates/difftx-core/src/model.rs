@@ -471,16 +471,12 @@ impl Attention {
                 let v = self.pair_values_per_head(v)?; // [B, Hkv, S, 2d]
                 let o = ops::attention(q, k, &v, self.scale(), step.offset, step.opts.kernels)?; // [B, H, T, 2d]
                 let lambda = diff.lambda()?;
-                let layout = match self.pairing {
-                    HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,
-                    HeadPairing::Halves => difftx_kernels::PairLayout::Halves,
-                };
-                let o = difftx_kernels::diff_combine_pairs(&o, &lambda, layout)?; // [B, H/2, T, 2d]
+                let o = ops::diff_combine_pairs(&o, &lambda, self.pairing, step.opts.kernels)?; // [B, H/2, T, 2d]
                 diff.norm_and_scale(&o, step.opts.kernels)
             }
             AttnKind::DiffV1(diff) => {
-                let (q1, q2) = split_pairs(q, self.pairing)?; // [B, H/2, T, d] each
-                let (k1, k2) = split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
+                let (q1, q2) = ops::split_pairs(q, self.pairing)?; // [B, H/2, T, d] each
+                let (k1, k2) = ops::split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
                 let v = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
                 let lambda = diff.lambda()?; // [1]
                                              // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
@@ -495,16 +491,7 @@ impl Attention {
                 let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
                 let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
                                                                        // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
-                match step.opts.kernels {
-                    // straight from the unsplit output (docs/design.md §5)
-                    Kernels::Fused => {
-                        difftx_kernels::diff_combine_pairs(&o, &lambda, difftx_kernels::PairLayout::Interleaved)
-                    }
-                    Kernels::Reference => {
-                        let (oa, ob) = split_pairs(&o, HeadPairing::Interleaved)?; // [B, H, T, d] each
-                        oa.broadcast_sub(&ob.broadcast_mul(&lambda)?)
-                    }
-                }
+                ops::diff_combine_pairs(&o, &lambda, HeadPairing::Interleaved, step.opts.kernels)
             }
         }
     }
@@ -520,7 +507,7 @@ impl Attention {
 
     /// diff-v1's value of head j: the kv pair's two value heads side by side, [B, Hkv/2, S, 2d].
     fn pair_values(&self, v: &Tensor) -> Result<Tensor> {
-        let (v1, v2) = split_pairs(v, self.pairing)?;
+        let (v1, v2) = ops::split_pairs(v, self.pairing)?;
         Tensor::cat(&[v1, v2], 3)
     }
 
@@ -578,8 +565,8 @@ impl Attention {
         let (logits, map, lambda) = match &self.kind {
             AttnKind::Baseline => (ops::attention_scores(q, k, scale)?, self.probs(q, k, step)?, None),
             AttnKind::DiffV1(diff) => {
-                let (q1, q2) = split_pairs(q, self.pairing)?;
-                let (k1, k2) = split_pairs(k, self.pairing)?;
+                let (q1, q2) = ops::split_pairs(q, self.pairing)?;
+                let (k1, k2) = ops::split_pairs(k, self.pairing)?;
                 let lambda = diff.lambda()?;
                 let (s1, s2) = (ops::attention_scores(&q1, &k1, scale)?, ops::attention_scores(&q2, &k2, scale)?);
                 let (a1, a2) = (self.probs(&q1, &k1, step)?, self.probs(&q2, &k2, step)?);
@@ -588,7 +575,7 @@ impl Attention {
             }
             AttnKind::DiffV2 { lambda_proj } => {
                 let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
-                let (a1, a2) = split_pairs(&self.probs(q, k, step)?, HeadPairing::Interleaved)?;
+                let (a1, a2) = ops::split_pairs(&self.probs(q, k, step)?, HeadPairing::Interleaved)?;
                 let map = a1.broadcast_sub(&a2.broadcast_mul(&lambda)?)?;
                 (ops::attention_scores(q, k, scale)?, map, Some(lambda.squeeze(3)?))
             }
@@ -597,19 +584,6 @@ impl Attention {
         probe.attn_maps.push(map);
         probe.lambdas.push(lambda);
         Ok(())
-    }
-}
-
-/// Splits the head axis (dim 1) of [B, heads, T, d] into the two maps of each pair (docs/design.md §3).
-fn split_pairs(x: &Tensor, pairing: HeadPairing) -> Result<(Tensor, Tensor)> {
-    let (b, heads, t, d) = x.dims4()?;
-    let half = heads / 2;
-    match pairing {
-        HeadPairing::Interleaved => {
-            let x = x.reshape((b, half, 2, t, d))?;
-            Ok((x.i((.., .., 0))?, x.i((.., .., 1))?))
-        }
-        HeadPairing::Halves => Ok((x.narrow(1, 0, half)?, x.narrow(1, half, half)?)),
     }
 }
 

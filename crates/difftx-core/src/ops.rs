@@ -3,7 +3,8 @@
 //! (difftx-kernels custom ops with hand-written backward). The model picks one per instance, so
 //! tests can compare the two paths on the same weights.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use crate::config::HeadPairing;
+use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 
 /// Which implementation of the hot ops a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -41,6 +42,38 @@ pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -
                 Some(g) => y.broadcast_mul(g),
                 None => Ok(y),
             }
+        }
+    }
+}
+
+/// Splits the head axis (dim 1) of [B, heads, T, d] into the two maps of each pair (docs/design.md §3).
+pub fn split_pairs(x: &Tensor, pairing: HeadPairing) -> Result<(Tensor, Tensor)> {
+    let (b, heads, t, d) = x.dims4()?;
+    let half = heads / 2;
+    match pairing {
+        HeadPairing::Interleaved => {
+            let x = x.reshape((b, half, 2, t, d))?;
+            Ok((x.i((.., .., 0))?, x.i((.., .., 1))?))
+        }
+        HeadPairing::Halves => Ok((x.narrow(1, 0, half)?, x.narrow(1, half, half)?)),
+    }
+}
+
+/// The differential combination read from one tensor holding both maps of every pair:
+/// x [B, 2P, T, w] -> x_a − λ·x_b, [B, P, T, w], pairs as `pairing` says; λ is one element
+/// (diff-v1) or [B, P, T, 1] (diff-v2's per-token λ).
+pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, pairing: HeadPairing, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => {
+            let layout = match pairing {
+                HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,
+                HeadPairing::Halves => difftx_kernels::PairLayout::Halves,
+            };
+            difftx_kernels::diff_combine_pairs(x, lambda, layout)
+        }
+        Kernels::Reference => {
+            let (a, b) = split_pairs(x, pairing)?;
+            a.broadcast_sub(&b.broadcast_mul(lambda)?)
         }
     }
 }
