@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
 use difftx_core::generate::{generate, generate_fused, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
-use difftx_core::{Decoder, Family, Kernels, ModelConfig, WeightFormat, WeightPrecision};
+use difftx_core::{Decoder, Family, Kernels, ModelConfig, Precision, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
 use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
@@ -193,6 +193,11 @@ struct TrainArgs {
     /// backward) or reference (composed candle ops; slower, for checking).
     #[arg(long, default_value = "fused")]
     kernels: KernelChoice,
+    /// Matrix products of the linear layers: f32, or bf16 (inputs rounded to bf16, sums in f32,
+    /// on AMX or AVX512_BF16; where the CPU has neither, training says so and runs in f32).
+    /// Weights, gradients, optimizer state and checkpoints stay f32 either way.
+    #[arg(long, default_value = "f32")]
+    precision: Precision,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -395,10 +400,17 @@ fn load_tokenizer(path: Option<&Path>) -> Result<Tokenizer> {
 }
 
 fn cmd_train(a: TrainArgs) -> Result<()> {
+    let (precision, fallback) = a.precision.resolve();
+    if let Some(why) = fallback {
+        eprintln!("{why}");
+    } else if precision != Precision::F32 {
+        eprintln!("precision: {}", precision.describe());
+    }
     let ctl = RunControl {
         stop_after: a.stop_after,
         time_limit_secs: a.time_limit,
         kernels: a.kernels.get(),
+        precision,
         progress: std::io::stderr().is_terminal(),
         overall: None,
     };
@@ -721,6 +733,10 @@ struct BenchArgs {
     /// Skip the reference-kernel training measurement.
     #[arg(long)]
     no_reference: bool,
+    /// Skip the bf16 training measurement (run by default where the CPU has AMX-BF16 or
+    /// AVX512_BF16).
+    #[arg(long)]
+    no_bf16: bool,
     /// Skip every training measurement (decode and attn-long only).
     #[arg(long)]
     no_train: bool,
@@ -752,6 +768,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         opts.reference_family = None;
     }
     opts.train = !a.no_train;
+    opts.bf16 = !a.no_bf16;
     if let Some(b) = a.decode_batches {
         opts.decode_batches = b;
     }

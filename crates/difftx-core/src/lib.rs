@@ -18,4 +18,4 @@ pub use config::{Family, HeadPairing, ModelConfig, RopeStyle};
 pub use difftx_kernels::decode::WeightPrecision;
 pub use model::decode::{Decoder, SequenceCache};
 pub use model::{KvCache, Model, Probe, RunOptions, WeightFormat};
-pub use ops::Kernels;
+pub use ops::{Kernels, Precision};

@@ -179,6 +179,8 @@ pub struct RunOptions {
     pub attn_logit_bits: Option<u32>,
     /// Fake-quantise the input of every linear layer (per token, dynamic absmax): the "A" of WxAy.
     pub act_bits: Option<u32>,
+    /// Arithmetic of the linear layers' f32 products (quantised weights ignore it).
+    pub precision: ops::Precision,
 }
 
 /// Storage of the linear layers' weights for inference (training always uses f32 tensors).
@@ -247,7 +249,7 @@ fn linear(x: &Tensor, w: &Linear, opts: &RunOptions) -> Result<Tensor> {
     };
     match &w.quantized {
         Some(q) => q.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype()),
-        None => x.matmul(&w.w.t()?),
+        None => ops::linear_matmul(&x, &w.w, opts.precision),
     }
 }
 

@@ -17,6 +17,71 @@ pub enum Kernels {
     Fused,
 }
 
+/// Arithmetic of the linear layers' matrix products (everything else is f32 either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    #[default]
+    F32,
+    /// Inputs rounded to bf16, products summed in f32 (AMX or AVX512_BF16): mixed-precision
+    /// training's matmuls. Weights, activations between ops, gradients and optimizer state stay
+    /// f32. Needs [`Precision::bf16_available`].
+    Bf16,
+    /// The arithmetic of `Bf16` (same roundings, gradients included) by f32 gemm on rounded
+    /// copies: any CPU, no faster than f32; the reference the bf16 kernel is checked against.
+    Bf16Emulated,
+}
+
+impl Precision {
+    /// Whether this CPU has a bf16 matrix-product backend (AMX-BF16 or AVX512_BF16).
+    pub fn bf16_available() -> bool {
+        difftx_kernels::bf16_backend().is_some()
+    }
+
+    /// What `self` runs as here, with a sentence for the user when bf16 was asked for but the
+    /// CPU has no backend (then f32).
+    pub fn resolve(self) -> (Precision, Option<String>) {
+        match self {
+            Precision::Bf16 if !Self::bf16_available() => (
+                Precision::F32,
+                Some("bf16 precision: this CPU has neither AMX-BF16 nor AVX512_BF16; running in f32".into()),
+            ),
+            p => (p, None),
+        }
+    }
+
+    /// "f32", or "bf16 (amx)" / "bf16 (avx512_bf16)": what reports record.
+    pub fn describe(self) -> String {
+        match (self, difftx_kernels::bf16_backend()) {
+            (Precision::F32, _) => "f32".into(),
+            (Precision::Bf16, Some(difftx_kernels::Bf16Backend::Amx)) => "bf16 (amx)".into(),
+            (Precision::Bf16, Some(difftx_kernels::Bf16Backend::Avx512Bf16)) => "bf16 (avx512_bf16)".into(),
+            (Precision::Bf16, None) => "bf16 (unavailable)".into(),
+            (Precision::Bf16Emulated, _) => "bf16 (emulated in f32)".into(),
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            "bf16-emulated" => Ok(Precision::Bf16Emulated),
+            _ => Err(format!("unknown precision '{s}' (expected f32, bf16 or bf16-emulated)")),
+        }
+    }
+}
+
+/// x [N, in] times wᵀ (w [out, in]) at `precision`.
+pub fn linear_matmul(x: &Tensor, w: &Tensor, precision: Precision) -> Result<Tensor> {
+    match precision {
+        Precision::F32 => x.matmul(&w.t()?),
+        Precision::Bf16 => difftx_kernels::matmul_bf16(x, &w.t()?),
+        Precision::Bf16Emulated => difftx_kernels::matmul_bf16_emulated(x, &w.t()?),
+    }
+}
+
 /// Softmax over the last dimension.
 pub fn softmax_last_dim(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
     match kernels {

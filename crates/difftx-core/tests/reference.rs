@@ -516,3 +516,75 @@ fn quantized_weights_stay_close_to_f32() {
     // (A wrong layout or scale gives errors of order 1.)
     assert!(errs[0] < 0.06 && errs[1] < 0.6 && errs[1] > errs[0], "relative errors {errs:?}");
 }
+
+#[test]
+fn bf16_products_match_their_emulation_and_stay_near_f32() {
+    use difftx_core::Precision;
+    // f32; bf16 emulated by f32 gemm on rounded copies (any CPU); bf16 on the AMX /
+    // AVX512_BF16 kernel where the CPU has one.
+    let mut runs = vec![Precision::F32, Precision::Bf16Emulated];
+    if Precision::bf16_available() {
+        runs.push(Precision::Bf16);
+    } else {
+        eprintln!("this CPU has neither AMX-BF16 nor AVX512_BF16: only the emulated bf16 path is checked");
+    }
+    for (label, mut cfg) in variants() {
+        // The variants' large initialisation (std 0.3) makes attention nearly one-hot, so an
+        // input that rounds to the other bf16 neighbour (the sums' order differs between kernel
+        // and emulation) can move a whole attention row; at a trained model's scale it cannot.
+        cfg.init_std = 0.05;
+        let weights = init_weights(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+        let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap())).collect();
+        let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let mut model = Model::from_weights(&cfg, &map).unwrap();
+        let ids = Tensor::new(vec![ids_for(&cfg, 19, 1), ids_for(&cfg, 19, 8)], &Device::Cpu).unwrap();
+        let targets = Tensor::new(vec![ids_for(&cfg, 19, 2), ids_for(&cfg, 19, 3)], &Device::Cpu).unwrap();
+        let mut results = Vec::new();
+        for &precision in &runs {
+            model.opts.precision = precision;
+            let logits = model.forward(&ids, None).unwrap();
+            let loss = Model::loss(&logits, &targets).unwrap();
+            let grads = loss.backward().unwrap();
+            let g: Vec<Vec<f32>> = vars
+                .iter()
+                .map(|(_, v)| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect();
+            results.push((logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), g));
+        }
+        // Largest difference relative to the largest value.
+        let rel = |a: &[f32], b: &[f32]| {
+            let scale = a.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-6);
+            a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale
+        };
+        let (f32_run, emulated) = (&results[0], &results[1]);
+        // bf16 keeps 8 significant bits: logits move by well under 1% of their largest value
+        // here, weight gradients by a few percent. The λ vectors' gradients are sums that nearly
+        // cancel, so their relative error says little; the comparison with the emulation covers them.
+        let e = rel(&f32_run.0, &emulated.0);
+        assert!(e < 2e-2 && e > 1e-5, "{} {label}: bf16 logits differ from f32 by {e}", cfg.family);
+        for ((name, _), (a, b)) in vars.iter().zip(f32_run.1.iter().zip(&emulated.1)) {
+            let e = rel(a, b);
+            assert!(
+                name.contains("lambda") || e < 5e-2,
+                "{} {label}: bf16 gradient of {name} differs from f32 by {e}",
+                cfg.family
+            );
+        }
+        if let Some(kernel) = results.get(2) {
+            // Same roundings; only the order of the f32 sums differs (AVX512_BF16 matches gemm's
+            // to ~1e-7). A sum that lands one f32 ulp away can round a later layer's input to
+            // the other bf16 neighbour, which moves that token's row by ~1e-4 downstream: hence
+            // a bound well above f32 rounding but far below any layout or indexing error.
+            let e = rel(&emulated.0, &kernel.0);
+            assert!(e < 3e-3, "{} {label}: bf16 kernel logits differ from the emulation by {e}", cfg.family);
+            for ((name, _), (a, b)) in vars.iter().zip(emulated.1.iter().zip(&kernel.1)) {
+                let e = rel(a, b);
+                assert!(
+                    e < 1.5e-2,
+                    "{} {label}: bf16 kernel gradient of {name} differs from the emulation by {e}",
+                    cfg.family
+                );
+            }
+        }
+    }
+}

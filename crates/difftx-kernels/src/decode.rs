@@ -274,11 +274,10 @@ impl Element for f32 {
 pub struct Bf16(pub u16);
 
 impl Bf16 {
-    /// Rounds to the nearest bf16, ties to even (finite inputs).
+    /// Rounds to the nearest bf16, ties to even (the one definition:
+    /// [`crate::bf16_matmul::bf16_bits`]).
     pub fn from_f32(x: f32) -> Self {
-        let bits = x.to_bits();
-        let round = 0x7fff + ((bits >> 16) & 1);
-        Bf16((bits.wrapping_add(round) >> 16) as u16)
+        Bf16(crate::bf16_matmul::bf16_bits(x))
     }
 }
 

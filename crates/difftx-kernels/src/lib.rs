@@ -18,6 +18,8 @@
 //!   straight from one attention output that holds both maps of every pair (no head split).
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
+//! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16), the
+//!   linear layers of `--precision bf16`; [`bf16_matmul`] holds the slice-level kernels.
 //! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
 //!   row, SwiGLU) for the fused decoder; inference only, no backward.
 //!
@@ -25,8 +27,9 @@
 //! choices. Everything is a pure function of its input tensors. Each kernel is written as plain
 //! functions over row-major slices, with the layout in a comment, forward and backward side by
 //! side; the candle glue (dtype dispatch, contiguity, `CustomOp` impls) sits next to them.
-//! CPU only: other devices return an error. Supported dtypes: f32 and f64.
+//! CPU only: other devices return an error. Supported dtypes: f32 and f64 (bf16 products: f32).
 
+pub mod bf16_matmul;
 mod cpu;
 mod cross_entropy;
 pub mod decode;
@@ -38,6 +41,7 @@ mod rope;
 mod softmax;
 mod swiglu;
 
+pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backend};
 pub use cross_entropy::cross_entropy;
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;

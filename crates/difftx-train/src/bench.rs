@@ -3,6 +3,9 @@
 //! * `train`: tokens/s of full training steps on `bench-s` (batch 8 × 256 tokens, f32): forward,
 //!   loss, backward, global-norm clipping and AdamW, the same pieces and order as the trainer.
 //!   Warmup steps first, then timed steps; per-phase means are reported too.
+//! * `train_bf16`: the same steps with bf16 products in the linear layers (`Precision::Bf16`:
+//!   AMX or AVX512_BF16), timed right after each family's f32 run; absent where the CPU has
+//!   neither.
 //! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
@@ -27,7 +30,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::generate::{generate, generate_fused, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::{Decoder, WeightPrecision};
-use difftx_core::{Family, Kernels, ModelConfig};
+use difftx_core::{Family, Kernels, ModelConfig, Precision};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -55,6 +58,8 @@ pub struct BenchOptions {
     pub seq_len: usize,
     pub warmup_steps: usize,
     pub steps: usize,
+    /// Also time training with bf16 products (skipped where the CPU has no bf16 backend).
+    pub bf16: bool,
     /// Family whose training is also timed with `Kernels::Reference` (None: skip).
     pub reference_family: Option<Family>,
     pub reference_steps: usize,
@@ -81,6 +86,7 @@ impl BenchOptions {
             seq_len: 256,
             warmup_steps: 3,
             steps: 10,
+            bf16: true,
             reference_family: Some(Family::DiffV1),
             reference_steps: 4,
             decode_tokens: 256,
@@ -103,6 +109,7 @@ impl BenchOptions {
             seq_len: 64,
             warmup_steps: 1,
             steps: 2,
+            bf16: true,
             reference_family: Some(Family::DiffV1),
             reference_steps: 1,
             decode_tokens: 8,
@@ -184,11 +191,18 @@ fn build(cfg: &ModelConfig, seed: u64) -> Result<(Model, Vec<(String, Var)>)> {
     Ok((Model::from_weights(cfg, &map)?, vars))
 }
 
-/// Training throughput of one family with the given kernels.
-fn bench_train(opts: &BenchOptions, family: Family, kernels: Kernels, steps: usize) -> Result<Value> {
+/// Training throughput of one family with the given kernels and precision.
+fn bench_train(
+    opts: &BenchOptions,
+    family: Family,
+    kernels: Kernels,
+    precision: Precision,
+    steps: usize,
+) -> Result<Value> {
     let cfg = bench_config(opts, family)?;
     let (mut model, vars) = build(&cfg, opts.seed)?;
     model.opts.kernels = kernels;
+    model.opts.precision = precision;
     let mut opt = AdamW::new(&vars, AdamWParams::default())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
     let (b, t) = (opts.batch_size, opts.seq_len);
@@ -224,7 +238,7 @@ fn bench_train(opts: &BenchOptions, family: Family, kernels: Kernels, steps: usi
         "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
         "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
         "steps": steps, "warmup_steps": opts.warmup_steps, "batch": b, "seq": t,
-        "kernels": format!("{kernels:?}").to_lowercase(), "params": cfg.param_counts().total, "last_loss": last_loss,
+        "kernels": format!("{kernels:?}").to_lowercase(), "precision": precision.describe(), "params": cfg.param_counts().total, "last_loss": last_loss,
     }))
 }
 
@@ -395,17 +409,25 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         bail!("benchmark steps, batch size and sequence length must be positive");
     }
     let mut train = Map::new();
+    let mut train_bf16 = Map::new();
     let mut decode = Map::new();
+    let bf16 = opts.bf16 && Precision::bf16_available();
     for &f in opts.families.iter().filter(|_| opts.train) {
         eprintln!("bench: training {f} ...");
-        let r = bench_train(opts, f, Kernels::Fused, opts.steps)?;
+        let r = bench_train(opts, f, Kernels::Fused, Precision::F32, opts.steps)?;
         eprintln!("bench: {r}");
         train.insert(f.as_str().into(), r);
+        if bf16 {
+            eprintln!("bench: training {f} with bf16 products ...");
+            let r = bench_train(opts, f, Kernels::Fused, Precision::Bf16, opts.steps)?;
+            eprintln!("bench: {r}");
+            train_bf16.insert(f.as_str().into(), r);
+        }
     }
     let mut reference = Map::new();
     if let Some(f) = opts.reference_family.filter(|_| opts.train) {
         eprintln!("bench: training {f} with reference kernels ...");
-        let r = bench_train(opts, f, Kernels::Reference, opts.reference_steps.max(1))?;
+        let r = bench_train(opts, f, Kernels::Reference, Precision::F32, opts.reference_steps.max(1))?;
         eprintln!("bench: {r}");
         reference.insert(f.as_str().into(), r);
     }
@@ -423,6 +445,18 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
             if let Some(d) = train.get(f) {
                 ratios.insert(format!("train_step_time_{f}_over_baseline"), json!(ratio(d, base, "step_ms_mean")));
             }
+        }
+    }
+    if let Some(base) = train_bf16.get("baseline") {
+        for f in ["diff-v1", "diff-v2"] {
+            if let Some(d) = train_bf16.get(f) {
+                ratios.insert(format!("train_bf16_step_time_{f}_over_baseline"), json!(ratio(d, base, "step_ms_mean")));
+            }
+        }
+    }
+    for (f, b) in &train_bf16 {
+        if let Some(r) = train.get(f) {
+            ratios.insert(format!("train_speedup_bf16_over_f32_{f}"), json!(ratio(b, r, "tokens_per_sec")));
         }
     }
     if let Some(base) = decode.get("baseline") {
@@ -455,6 +489,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         "env": {"CANDLE_NUM_THREADS": std::env::var("CANDLE_NUM_THREADS").ok(), "RAYON_NUM_THREADS": std::env::var("RAYON_NUM_THREADS").ok()},
         "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",
         "train": train,
+        "train_bf16": train_bf16,
         "train_reference_kernels": reference,
         "decode": decode,
         "ratios": ratios,

@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::checkpoint::{self, write_atomic, RUN_CHECKPOINT, RUN_CHECKPOINT_OLD};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::tokenizer::Tokenizer;
-use difftx_core::{Kernels, ModelConfig};
+use difftx_core::{Kernels, ModelConfig, Precision};
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -104,6 +104,10 @@ pub struct RunControl {
     /// Stop (with a checkpoint) once this much wall time has passed in this invocation.
     pub time_limit_secs: Option<f64>,
     pub kernels: Kernels,
+    /// Arithmetic of the linear layers' products (weights, optimizer state and checkpoints are
+    /// f32 either way). Resolve it first ([`Precision::resolve`]): bf16 errors where the CPU has
+    /// no backend.
+    pub precision: Precision,
     /// Show a progress bar (otherwise one log line per validation).
     pub progress: bool,
     /// A bar shared by several runs (e.g. all of `compare`), advanced by one per step; when
@@ -305,6 +309,7 @@ fn run(
     let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
     let mut model = Model::from_weights(cfg, &map)?;
     model.opts.kernels = ctl.kernels;
+    model.opts.precision = ctl.precision;
     let mut opt = AdamW::new(&vars, opts.adamw)?;
     if let Some(s) = &opt_state {
         opt.load_state(s)?;

@@ -1,0 +1,851 @@
+//! bf16 matrix products with f32 accumulation, for mixed-precision training: C = A·B where every
+//! element of A and B is first rounded to bf16 (round to nearest, ties to even) and the products
+//! are summed in f32. C, the inputs and everything around the product stay f32.
+//!
+//! Layout: A `[m, k]` and B `[k, n]` are f32 views with any strides (so transposed operands of
+//! the backward need no copy); C is row-major `[m, n]`. k is taken in chunks (so that packed B
+//! stays in cache); per chunk (kp = chunk padded to a multiple of 32):
+//! * B is packed once as bf16 pairs along k (low half B[2p][j], high half B[2p+1][j], the "VNNI"
+//!   layout both instructions read) in panels of 16 columns: `[np/16][kp/2][16]` u32, columns
+//!   padded to a multiple of 32;
+//! * each task packs its 32 rows of A as `[kp/32][32 rows][32]` bf16.
+//!
+//! Every tile the AMX kernel loads (16 rows of 64 bytes) is then 1 KiB of consecutive memory:
+//! rows a power-of-two stride apart would land in the same L1 sets and evict each other.
+//!
+//! Zero padding contributes nothing, so every 32×32 block of C is computed whole and only its
+//! valid part stored. Two backends, one packed format:
+//! * **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later): four 16×16 f32 accumulator tiles per
+//!   32×32 block, 16×32 bf16 tiles of A and 16-pair × 16 tiles of B, 32 values of k per step.
+//! * **AVX512_BF16** (`vdpbf16ps`, AMD Zen 4, Intel Cooper Lake and later): 8 rows × 32 columns of
+//!   accumulators; each step broadcasts one (k, k+1) pair of a row of A against a pair row of B.
+//!
+//! Where neither exists, [`bf16_backend`] is `None` and callers stay in f32 (the model's
+//! `--precision bf16` says so). The order of summation differs between the backends (AMX adds a
+//! 32-wide k step per instruction), so results agree to f32 rounding of the sums, not bitwise.
+
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// C = A·B for f32 tensors A `[m, k]` and B `[k, n]` (any strides: pass `w.t()` for a linear
+/// layer) with bf16 products and f32 sums, on [`bf16_backend`]; an error where there is none.
+/// Backward through the same bf16 product: dA = dC·Bᵀ, dB = Aᵀ·dC (f32 results, like autocast).
+pub fn matmul_bf16(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let Some(backend) = bf16_backend() else {
+        bail!("difftx_kernels::matmul_bf16: this CPU has neither AMX-BF16 nor AVX512_BF16");
+    };
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if k != k2 {
+        bail!("difftx_kernels::matmul_bf16: cannot multiply [{m}, {k}] by [{k2}, {n}]");
+    }
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        bail!("difftx_kernels::matmul_bf16: f32 operands only, got {:?} and {:?}", a.dtype(), b.dtype());
+    }
+    a.apply_op2(b, MatmulBf16 { backend: Some(backend) })
+}
+
+/// The same product as [`matmul_bf16`] (bf16-rounded inputs, the gradient rounded the same way
+/// in the backward) computed by f32 gemm on rounded copies: the reference path, on any CPU.
+/// The two differ only in the order of the f32 sums.
+pub fn matmul_bf16_emulated(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if k != k2 {
+        bail!("difftx_kernels::matmul_bf16_emulated: cannot multiply [{m}, {k}] by [{k2}, {n}]");
+    }
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        bail!("difftx_kernels::matmul_bf16_emulated: f32 operands only, got {:?} and {:?}", a.dtype(), b.dtype());
+    }
+    a.apply_op2(b, MatmulBf16 { backend: None })
+}
+
+/// `backend` None: the emulated reference.
+struct MatmulBf16 {
+    backend: Option<Bf16Backend>,
+}
+
+/// The values of `v` rounded to bf16, row-major `[rows, cols]`.
+fn rounded(v: &MatRef) -> Vec<f32> {
+    (0..v.rows * v.cols).map(|x| bf16_to_f32(bf16_bits(v.at(x / v.cols, x % v.cols)))).collect()
+}
+
+/// c = a·b in f32 by gemm (row-major, contiguous).
+fn gemm_f32(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+    // SAFETY: the slices hold m·k, k·n and m·n values in row-major order, as the strides say.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        )
+    }
+}
+
+/// The f32 view of a 2-d candle storage.
+fn view<'a>(s: &'a CpuStorage, l: &Layout) -> Result<MatRef<'a>> {
+    let data = &s.as_slice::<f32>()?[l.start_offset()..];
+    let (dims, st) = (l.dims(), l.stride());
+    Ok(MatRef { data, rows: dims[0], cols: dims[1], rs: st[0], cs: st[1] })
+}
+
+impl CustomOp2 for MatmulBf16 {
+    fn name(&self) -> &'static str {
+        "difftx-matmul-bf16"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (view(s1, l1)?, view(s2, l2)?);
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let mut c = vec![0f32; m * n];
+        match self.backend {
+            Some(backend) => matmul_into(backend, a, b, &mut c).map_err(candle_core::Error::Msg)?,
+            None if k == 0 => {}
+            None => gemm_f32(&rounded(&a), &rounded(&b), &mut c, m, k, n),
+        }
+        Ok((CpuStorage::F32(c), Shape::from_dims(&[m, n])))
+    }
+
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, dc: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dc = dc.to_dtype(DType::F32)?;
+        let product = |x: &Tensor, y: &Tensor| x.apply_op2(y, MatmulBf16 { backend: self.backend });
+        Ok((Some(product(&dc, &b.t()?)?), Some(product(&a.t()?, &dc)?)))
+    }
+}
+
+/// Which instruction set computes bf16 products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Backend {
+    /// Intel AMX tiles (`amx-bf16`).
+    Amx,
+    /// AVX-512 dot products of bf16 pairs (`avx512bf16`).
+    Avx512Bf16,
+}
+
+/// The fastest bf16 backend this CPU and OS allow, detected once; `None` where there is none.
+/// `DIFFTX_BF16_BACKEND=avx512_bf16` picks the AVX-512 kernel on an AMX machine (to measure or
+/// check it); an unavailable choice is ignored.
+pub fn bf16_backend() -> Option<Bf16Backend> {
+    static BACKEND: OnceLock<Option<Bf16Backend>> = OnceLock::new();
+    *BACKEND.get_or_init(|| {
+        let forced = std::env::var("DIFFTX_BF16_BACKEND").ok();
+        if forced.as_deref() == Some("avx512_bf16") && avx512bf16_available() {
+            Some(Bf16Backend::Avx512Bf16)
+        } else if amx_available() {
+            Some(Bf16Backend::Amx)
+        } else if avx512bf16_available() {
+            Some(Bf16Backend::Avx512Bf16)
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether `backend` can run here (tests use this to cover every backend the machine has).
+pub fn bf16_backend_available(backend: Bf16Backend) -> bool {
+    match backend {
+        Bf16Backend::Amx => amx_available(),
+        Bf16Backend::Avx512Bf16 => avx512bf16_available(),
+    }
+}
+
+fn avx512bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// AMX needs the CPU feature and the kernel's permission to use the tile data state (Linux asks
+/// each process to request it once, `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`).
+fn amx_available() -> bool {
+    static AMX: OnceLock<bool> = OnceLock::new();
+    *AMX.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID leaf 7: EDX bit 22 = AMX-BF16, bit 24 = AMX-TILE (std's detection of these
+            // is not stable yet).
+            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+            edx & (1 << 22) != 0 && edx & (1 << 24) != 0 && avx512bf16_available() && amx::request_permission()
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// An f32 matrix view: element (i, j) is `data[i * rs + j * cs]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl MatRef<'_> {
+    #[inline]
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[i * self.rs + j * self.cs]
+    }
+
+    fn check(&self, what: &str) -> std::result::Result<(), String> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let last = (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+        if last >= self.data.len() {
+            return Err(format!(
+                "bf16 matmul: {what} view {}x{} (strides {}, {}) reaches element {last} of {}",
+                self.rows,
+                self.cols,
+                self.rs,
+                self.cs,
+                self.data.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// f32 -> bf16 bits as the hardware converts (`vcvtne2ps2bf16`): round to nearest with ties to
+/// even, NaN stays (quiet) NaN, and denormals become zero of the same sign (AMX reads denormal
+/// bf16 inputs as zero too). Every packing path gives these bits.
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let (exp, abs) = (b & 0x7f80_0000, b & 0x7fff_ffff);
+    if abs > 0x7f80_0000 {
+        ((b >> 16) | 0x40) as u16
+    } else if exp == 0 {
+        ((b >> 16) & 0x8000) as u16
+    } else {
+        (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// `dst[i] = bf16_bits(src[i])` (lengths equal), vectorised where AVX512_BF16 exists.
+fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    debug_assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if avx512bf16_available() {
+        // SAFETY: the CPU has AVX512F and AVX512_BF16 (checked just above).
+        unsafe { convert::to_bf16(src, dst) };
+        return;
+    }
+    for (o, &v) in dst.iter_mut().zip(src) {
+        *o = bf16_bits(v);
+    }
+}
+
+/// `dst[j] = bf16(lo[j]) | bf16(hi[j]) << 16` (hi absent: zero), vectorised where possible.
+fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512bf16_available() {
+        // SAFETY: as in to_bf16.
+        unsafe { convert::to_bf16_pairs(lo, hi, dst) };
+        return;
+    }
+    for (j, o) in dst.iter_mut().enumerate() {
+        *o = pair(lo[j], hi.map_or(0.0, |h| h[j]));
+    }
+}
+
+/// bf16 bits -> f32 (exact).
+#[inline]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// Block edge of the packed operands and of one C block.
+const BLOCK: usize = 32;
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// Rows `i0..i0 + 32` of A packed into `blk` as `[kp/32][32][32]` bf16: for each step of 32
+/// values of k, a 32×32 row-major chunk (zero padded).
+#[inline(never)]
+fn pack_a_block(a: &MatRef, i0: usize, kp: usize, blk: &mut [u16]) {
+    const CHUNK: usize = BLOCK * BLOCK;
+    debug_assert_eq!(blk.len(), BLOCK * kp);
+    blk.fill(0);
+    let (rows, cols) = (BLOCK.min(a.rows - i0), a.cols);
+    if a.cs == 1 {
+        // Rows contiguous: convert 32 values at a time into each chunk's row.
+        for r in 0..rows {
+            let src = &a.data[(i0 + r) * a.rs..(i0 + r) * a.rs + cols];
+            for (c, part) in src.chunks(BLOCK).enumerate() {
+                let at = c * CHUNK + r * BLOCK;
+                to_bf16(part, &mut blk[at..at + part.len()]);
+            }
+        }
+    } else if a.rs == 1 {
+        // Columns contiguous (a transposed operand): each column's run of rows is contiguous;
+        // its values go down one chunk (64-byte stride, within 2 KiB).
+        let mut run = [0u16; BLOCK];
+        for j in 0..cols {
+            let start = j * a.cs + i0;
+            to_bf16(&a.data[start..start + rows], &mut run[..rows]);
+            let base = (j / BLOCK) * CHUNK + j % BLOCK;
+            for (r, &h) in run[..rows].iter().enumerate() {
+                blk[base + r * BLOCK] = h;
+            }
+        }
+    } else {
+        for r in 0..rows {
+            for j in 0..cols {
+                blk[(j / BLOCK) * CHUNK + r * BLOCK + j % BLOCK] = bf16_bits(a.at(i0 + r, j));
+            }
+        }
+    }
+}
+
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    bf16_bits(lo) as u32 | (bf16_bits(hi) as u32) << 16
+}
+
+/// Width of a packed B panel: one AMX tile's columns.
+const PANEL: usize = 16;
+
+/// B packed as pairs along k in panels of 16 columns, `[np/16][kp/2][16]` u32 (low half: even
+/// k), zero padded.
+#[inline(never)]
+fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
+    let pairs_p = kp / 2;
+    let mut out = vec![0u32; np * pairs_p];
+    let (k, n) = (b.rows, b.cols);
+    let pairs = k.div_ceil(2);
+    out.par_chunks_mut(PANEL * pairs_p).take(n.div_ceil(PANEL)).enumerate().for_each(|(pi, panel)| {
+        let j0 = pi * PANEL;
+        let w = PANEL.min(n - j0);
+        if b.cs == 1 {
+            // Rows contiguous: pair row p interleaves rows 2p and 2p+1 of this panel's columns.
+            for p in 0..pairs {
+                let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
+                let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
+                to_bf16_pairs(r0, r1, &mut panel[p * PANEL..p * PANEL + w]);
+            }
+        } else if b.rs == 1 {
+            // Columns contiguous (the transpose of a row-major weight): consecutive bf16 values
+            // along k, read as u32, are exactly the pairs.
+            let mut run = vec![0u16; 2 * pairs];
+            for jj in 0..w {
+                let src = &b.data[(j0 + jj) * b.cs..(j0 + jj) * b.cs + k];
+                to_bf16(src, &mut run[..k]);
+                for (p, ch) in run.chunks_exact(2).enumerate() {
+                    panel[p * PANEL + jj] = ch[0] as u32 | (ch[1] as u32) << 16;
+                }
+            }
+        } else {
+            for p in 0..pairs {
+                for jj in 0..w {
+                    let hi = if 2 * p + 1 < k { b.at(2 * p + 1, j0 + jj) } else { 0.0 };
+                    panel[p * PANEL + jj] = pair(b.at(2 * p, j0 + jj), hi);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// C (row-major `[m, n]`, overwritten) = A·B with bf16 inputs and f32 sums, on `backend`.
+/// Errors if the shapes disagree, a view reaches outside its data, or the backend cannot run here.
+pub fn matmul_into(backend: Bf16Backend, a: MatRef, b: MatRef, c: &mut [f32]) -> std::result::Result<(), String> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k {
+        return Err(format!("bf16 matmul: A is {m}x{k} but B is {}x{n}", b.rows));
+    }
+    if c.len() != m * n {
+        return Err(format!("bf16 matmul: C holds {} values, expected {m}x{n}", c.len()));
+    }
+    a.check("A")?;
+    b.check("B")?;
+    if !bf16_backend_available(backend) {
+        return Err(format!("bf16 matmul: the {backend:?} backend is not available on this CPU"));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return Ok(());
+    }
+    let np = round_up(n, BLOCK);
+    // k in chunks whose packed B (kc/2 rows of np pairs) stays near 512 KiB: every row block's
+    // task then reads B from its core's cache, not from memory (dw = dyᵀ·x has k = tokens).
+    let kc_max = ((512 << 10) / (np * 2)).max(BLOCK) / BLOCK * BLOCK;
+    let mut k0 = 0;
+    while k0 < k {
+        let kc = kc_max.min(k - k0);
+        let kcp = round_up(kc, BLOCK);
+        let a_chunk = MatRef { data: &a.data[k0 * a.cs..], cols: kc, ..a };
+        let b_chunk = MatRef { data: &b.data[k0 * b.rs..], rows: kc, ..b };
+        let packed_b = pack_b(&b_chunk, kcp, np);
+        let accumulate = k0 > 0;
+        // One task per 32-row block of C: it packs its rows of A, then walks every column block.
+        c.par_chunks_mut(BLOCK * n).enumerate().for_each_init(
+            || vec![0u16; BLOCK * kcp],
+            |blk, (rb, c_rows)| {
+                pack_a_block(&a_chunk, rb * BLOCK, kcp, blk);
+                run_row_block(backend, blk, &packed_b, kcp, n, accumulate, c_rows);
+            },
+        );
+        k0 += kc;
+    }
+    Ok(())
+}
+
+/// `c_rows` (up to 32 rows of C, `n` wide) = (`c_rows` if `accumulate`) + the packed A block ·
+/// packed B.
+fn run_row_block(
+    backend: Bf16Backend,
+    a: &[u16],
+    b: &[u32],
+    kp: usize,
+    n: usize,
+    accumulate: bool,
+    c_rows: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let rows = c_rows.len() / n;
+        let mut tmp = [0f32; BLOCK * BLOCK];
+        if backend == Bf16Backend::Amx {
+            // SAFETY: amx_available() was checked by matmul_into; tiles are configured per thread.
+            unsafe { amx::configure() };
+        }
+        for c0 in (0..n).step_by(BLOCK) {
+            let cols = BLOCK.min(n - c0);
+            // Whole blocks are stored straight into C; edge blocks through `tmp`.
+            let whole = rows == BLOCK && cols == BLOCK;
+            let (out, ldc) = if whole { (c_rows[c0..].as_mut_ptr(), n) } else { (tmp.as_mut_ptr(), BLOCK) };
+            if !whole && accumulate {
+                tmp.fill(0.0);
+                for r in 0..rows {
+                    tmp[r * BLOCK..r * BLOCK + cols].copy_from_slice(&c_rows[r * n + c0..r * n + c0 + cols]);
+                }
+            }
+            // SAFETY: the packed buffers hold whole 32x32 blocks (padded); `out` has 32 rows of
+            // `ldc` with 32 columns from it; the backend's instructions were detected at run time.
+            unsafe {
+                match backend {
+                    Bf16Backend::Amx => amx::block(a, b, kp, c0, out, ldc, accumulate),
+                    Bf16Backend::Avx512Bf16 => avx512::block(a, b, kp, c0, out, ldc, accumulate),
+                }
+            }
+            if !whole {
+                for r in 0..rows {
+                    c_rows[r * n + c0..r * n + c0 + cols].copy_from_slice(&tmp[r * BLOCK..r * BLOCK + cols]);
+                }
+            }
+        }
+        if backend == Bf16Backend::Amx {
+            // SAFETY: as above; releases this thread's tile state.
+            unsafe { amx::release() };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (backend, a, b, kp, n, accumulate, c_rows);
+        unreachable!("no bf16 backend is available off x86_64");
+    }
+}
+
+/// The slow reference: bf16-rounded inputs, products summed in f64, rounded to f32 once.
+pub fn matmul_reference(a: MatRef, b: MatRef) -> Vec<f32> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0f64;
+            for l in 0..k {
+                s += bf16_to_f32(bf16_bits(a.at(i, l))) as f64 * bf16_to_f32(bf16_bits(b.at(l, j))) as f64;
+            }
+            c[i * n + j] = s as f32;
+        }
+    }
+    c
+}
+
+#[cfg(target_arch = "x86_64")]
+mod convert {
+    use super::{bf16_bits, pair};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 32 <= n {
+            let lo = _mm512_loadu_ps(src.as_ptr().add(i));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(i + 16));
+            // The second operand fills the low half.
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(dst.as_mut_ptr().add(i) as *mut __m512i, v);
+            i += 32;
+        }
+        for j in i..n {
+            dst[j] = bf16_bits(src[j]);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
+        let n = dst.len();
+        let mut j = 0;
+        while j + 16 <= n {
+            let l: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo.as_ptr().add(j))));
+            let mut v = _mm512_cvtepu16_epi32(l);
+            if let Some(hi) = hi {
+                let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(hi.as_ptr().add(j))));
+                v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
+            _mm512_storeu_si512(dst.as_mut_ptr().add(j) as *mut __m512i, v);
+            j += 16;
+        }
+        for q in j..n {
+            dst[q] = pair(lo[q], hi.map_or(0.0, |h| h[q]));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BLOCK, PANEL};
+    use std::arch::x86_64::*;
+
+    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (packed
+    /// `[kp/32][32][32]` bf16) · B columns c0..c0+32 (packed panels `[np/16][kp/2][16]`).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        a: &[u16],
+        b: &[u32],
+        kp: usize,
+        c0: usize,
+        out: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let pairs = kp / 2;
+        let b0 = b.as_ptr().add((c0 / PANEL) * pairs * PANEL);
+        let b1 = b0.add(pairs * PANEL);
+        for rg in 0..BLOCK / 8 {
+            let mut acc = [[_mm512_setzero_ps(); 2]; 8];
+            if accumulate {
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let row = out.add((rg * 8 + r) * ldc);
+                    *acc_r = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+                }
+            }
+            for p in 0..pairs {
+                let bv0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b0.add(p * PANEL) as *const __m512i));
+                let bv1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b1.add(p * PANEL) as *const __m512i));
+                // Pair p of row r sits in chunk p/16, at row r, values 2(p%16) and 2(p%16)+1.
+                let arow = a.as_ptr().add((p / 16) * BLOCK * BLOCK + (rg * 8) * BLOCK + 2 * (p % 16));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let pair = (arow.add(r * BLOCK) as *const i32).read_unaligned();
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                    acc_r[0] = _mm512_dpbf16_ps(acc_r[0], av, bv0);
+                    acc_r[1] = _mm512_dpbf16_ps(acc_r[1], av, bv1);
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                let row = out.add((rg * 8 + r) * ldc);
+                _mm512_storeu_ps(row, acc_r[0]);
+                _mm512_storeu_ps(row.add(16), acc_r[1]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::{BLOCK, PANEL};
+    use std::arch::asm;
+
+    /// The 64-byte tile configuration (palette 1): tiles 0-7 all 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    /// Asks Linux for the AMX tile data state for this process (arch_prctl(ARCH_REQ_XCOMP_PERM,
+    /// XFEATURE_XTILEDATA)); false if refused (old kernel, or a VM that hides it).
+    #[cfg(target_os = "linux")]
+    pub(super) fn request_permission() -> bool {
+        const SYS_ARCH_PRCTL: i64 = 158;
+        const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+        const XFEATURE_XTILEDATA: i64 = 18;
+        let ret: i64;
+        // SAFETY: a plain syscall with integer arguments; it changes only this process's permission.
+        unsafe {
+            asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
+                 in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        ret == 0
+    }
+
+    /// Loads the tile configuration on this thread (tile state is per thread).
+    pub(super) unsafe fn configure() {
+        let mut cfg = TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        for t in 0..8 {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack));
+    }
+
+    pub(super) unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem));
+    }
+
+    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (32 rows of
+    /// `[kp]` bf16) · B columns c0..c0+32. Tiles: 0-3 accumulate C (rows 0-15 / 16-31 × cols 0-15 / 16-31), 4-5 hold A, 6-7 hold B.
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        a: &[u16],
+        b: &[u32],
+        kp: usize,
+        c0: usize,
+        out: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        // Every A and B tile is 16 rows of 64 consecutive bytes.
+        let (sa, sb, sc) = (64usize, 64usize, ldc * 4);
+        let pairs = kp / 2;
+        let panel0 = b.as_ptr().add((c0 / PANEL) * pairs * PANEL);
+        let panel1 = panel0.add(pairs * PANEL);
+        let t = out;
+        if accumulate {
+            asm!(
+                "tileloadd tmm0, [{t0} + {sc}*1]",
+                "tileloadd tmm1, [{t1} + {sc}*1]",
+                "tileloadd tmm2, [{t2} + {sc}*1]",
+                "tileloadd tmm3, [{t3} + {sc}*1]",
+                t0 = in(reg) t, t1 = in(reg) t.add(16), t2 = in(reg) t.add(16 * ldc), t3 = in(reg) t.add(16 * ldc + 16),
+                sc = in(reg) sc,
+                options(nostack, readonly),
+            );
+        } else {
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        }
+        for kc in 0..kp / 32 {
+            let a0 = a.as_ptr().add(kc * BLOCK * BLOCK);
+            let a1 = a0.add(16 * BLOCK);
+            let b0 = panel0.add(kc * 16 * PANEL);
+            let b1 = panel1.add(kc * 16 * PANEL);
+            asm!(
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
+                sa = in(reg) sa, sb = in(reg) sb,
+                options(nostack, readonly),
+            );
+        }
+        asm!(
+            "tilestored [{t0} + {sc}*1], tmm0",
+            "tilestored [{t1} + {sc}*1], tmm1",
+            "tilestored [{t2} + {sc}*1], tmm2",
+            "tilestored [{t3} + {sc}*1], tmm3",
+            t0 = in(reg) t, t1 = in(reg) t.add(16), t2 = in(reg) t.add(16 * ldc), t3 = in(reg) t.add(16 * ldc + 16),
+            sc = in(reg) sc,
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn backends() -> Vec<Bf16Backend> {
+        [Bf16Backend::Amx, Bf16Backend::Avx512Bf16].into_iter().filter(|&b| bf16_backend_available(b)).collect()
+    }
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+    }
+
+    #[test]
+    fn rounding_matches_the_definition() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6: rounds up to even.
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(bf16_bits(-2.5), 0xc020);
+        assert_eq!(bf16_bits(f32::MAX), 0x7f80, "overflow rounds to infinity");
+        assert!(bf16_to_f32(bf16_bits(f32::NAN)).is_nan());
+        assert_eq!(bf16_to_f32(bf16_bits(f32::INFINITY)), f32::INFINITY);
+        assert_eq!(bf16_bits(1e-40), 0, "denormals flush to zero, as the hardware does");
+        assert_eq!(bf16_bits(-1e-40), 0x8000);
+    }
+
+    #[test]
+    fn vector_conversions_equal_the_scalar_definition() {
+        // Ties, denormals, overflow, infinities, NaNs and ordinary values, over a length that
+        // leaves a scalar tail after the 32-wide and 16-wide vector bodies.
+        let mut xs = vec![
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            -1.0 - 3.0 / 256.0,
+            1e-40,
+            -1e-40,
+            1.2e-38,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            0.0,
+            -0.0,
+            1.7,
+            -2.5e10,
+        ];
+        xs.extend(random(37, 9));
+        let mut got = vec![0u16; xs.len()];
+        to_bf16(&xs, &mut got);
+        let want: Vec<u16> = xs.iter().map(|&x| bf16_bits(x)).collect();
+        assert_eq!(got, want);
+        let (lo, hi) = xs.split_at(xs.len() / 2);
+        let mut pairs = vec![0u32; lo.len().min(hi.len())];
+        let n = pairs.len();
+        to_bf16_pairs(&lo[..n], Some(&hi[..n]), &mut pairs);
+        for (j, &p) in pairs.iter().enumerate() {
+            assert_eq!(p, pair(lo[j], hi[j]), "pair {j}");
+        }
+        to_bf16_pairs(&lo[..n], None, &mut pairs);
+        for (j, &p) in pairs.iter().enumerate() {
+            assert_eq!(p, bf16_bits(lo[j]) as u32, "lone {j}");
+        }
+    }
+
+    #[test]
+    fn every_backend_matches_the_reference_on_awkward_shapes() {
+        // The last two span several k chunks (B packed in parts of ~512 KiB), with edge rows and columns.
+        let shapes = [
+            (1, 1, 1),
+            (1, 7, 3),
+            (5, 33, 17),
+            (31, 32, 33),
+            (33, 64, 32),
+            (70, 100, 45),
+            (64, 704, 256),
+            (130, 3, 90),
+            (45, 1000, 700),
+            (33, 2100, 100),
+        ];
+        for backend in backends() {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                let (ad, bd) = (random(m * k, s as u64), random(k * n, 100 + s as u64));
+                let a = MatRef { data: &ad, rows: m, cols: k, rs: k, cs: 1 };
+                let b = MatRef { data: &bd, rows: k, cols: n, rs: n, cs: 1 };
+                let want = matmul_reference(a, b);
+                let bound = abs_product(a, b);
+                let mut got = vec![f32::NAN; m * n];
+                matmul_into(backend, a, b, &mut got).unwrap();
+                for (i, ((&g, &w), &s)) in got.iter().zip(&want).zip(&bound).enumerate() {
+                    // Same bf16 inputs; only the f32 summation differs from the f64 sum, and
+                    // that error is at most k·u·Σ|a·b| (u = 2^-24).
+                    let tol = k as f32 * 6e-8 * s + 1e-30;
+                    assert!((g - w).abs() <= tol, "{backend:?} {m}x{k}x{n} at {i}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    /// Σ_l |a_il·b_lj| of the bf16-rounded inputs (the scale of the summation error).
+    fn abs_product(a: MatRef, b: MatRef) -> Vec<f32> {
+        let abs = |m: MatRef| -> Vec<f32> { m.data.iter().map(|v| v.abs()).collect() };
+        let (ad, bd) = (abs(a), abs(b));
+        matmul_reference(MatRef { data: &ad, ..a }, MatRef { data: &bd, ..b })
+    }
+
+    #[test]
+    fn strided_views_equal_contiguous_ones() {
+        // A given transposed (column-major) and B as the transpose of a row-major [n, k] weight:
+        // the layouts of the backward's operands.
+        // k = 800 at n = 600 spans two k chunks.
+        let (m, k, n) = (45, 800, 600);
+        let at = random(k * m, 1); // [k, m]: A = atᵀ
+        let w = random(n * k, 2); // [n, k]: B = wᵀ
+        let a_t = MatRef { data: &at, rows: m, cols: k, rs: 1, cs: m };
+        let b_t = MatRef { data: &w, rows: k, cols: n, rs: 1, cs: k };
+        let a_c: Vec<f32> = (0..m * k).map(|x| a_t.at(x / k, x % k)).collect();
+        let b_c: Vec<f32> = (0..k * n).map(|x| b_t.at(x / n, x % n)).collect();
+        let a_c = MatRef { data: &a_c, rows: m, cols: k, rs: k, cs: 1 };
+        let b_c = MatRef { data: &b_c, rows: k, cols: n, rs: n, cs: 1 };
+        for backend in backends() {
+            let mut strided = vec![0f32; m * n];
+            let mut contiguous = vec![0f32; m * n];
+            matmul_into(backend, a_t, b_t, &mut strided).unwrap();
+            matmul_into(backend, a_c, b_c, &mut contiguous).unwrap();
+            assert_eq!(strided, contiguous, "{backend:?}");
+        }
+    }
+
+    #[test]
+    fn exact_when_inputs_are_bf16_and_sums_small_integers() {
+        // Small integers are exact in bf16 and their sums exact in f32: every backend is exact.
+        let (m, k, n) = (40, 96, 50);
+        let ad: Vec<f32> = (0..m * k).map(|i| ((i * 7) % 9) as f32 - 4.0).collect();
+        let bd: Vec<f32> = (0..k * n).map(|i| ((i * 5) % 7) as f32 - 3.0).collect();
+        let a = MatRef { data: &ad, rows: m, cols: k, rs: k, cs: 1 };
+        let b = MatRef { data: &bd, rows: k, cols: n, rs: n, cs: 1 };
+        let want = matmul_reference(a, b);
+        for backend in backends() {
+            let mut got = vec![0f32; m * n];
+            matmul_into(backend, a, b, &mut got).unwrap();
+            assert_eq!(got, want, "{backend:?}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let d = vec![0f32; 12];
+        let a = MatRef { data: &d, rows: 3, cols: 4, rs: 4, cs: 1 };
+        let b = MatRef { data: &d, rows: 3, cols: 4, rs: 4, cs: 1 };
+        for backend in backends() {
+            let mut c = vec![0f32; 12];
+            assert!(matmul_into(backend, a, b, &mut c).unwrap_err().contains("A is 3x4"));
+            let big = MatRef { data: &d, rows: 4, cols: 4, rs: 4, cs: 1 };
+            assert!(matmul_into(backend, a, big, &mut c[..12]).unwrap_err().contains("reaches element"));
+        }
+    }
+}
