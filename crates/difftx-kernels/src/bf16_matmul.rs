@@ -26,6 +26,7 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 /// C = A·B for f32 tensors A `[m, k]` and B `[k, n]` (any strides: pass `w.t()` for a linear
@@ -112,12 +113,24 @@ impl CustomOp2 for MatmulBf16 {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (a, b) = (view(s1, l1)?, view(s2, l2)?);
         let (m, k, n) = (a.rows, a.cols, b.cols);
-        let mut c = vec![0f32; m * n];
-        match self.backend {
-            Some(backend) => matmul_into(backend, a, b, &mut c).map_err(candle_core::Error::Msg)?,
-            None if k == 0 => {}
-            None => gemm_f32(&rounded(&a), &rounded(&b), &mut c, m, k, n),
-        }
+        let c = match self.backend {
+            Some(backend) => {
+                // The kernel writes every value of C: no zero fill first (a pass over C as long
+                // as a small product itself).
+                let mut c: Vec<f32> = Vec::with_capacity(m * n);
+                matmul_uninit(backend, a, b, &mut c.spare_capacity_mut()[..m * n]).map_err(candle_core::Error::Msg)?;
+                // SAFETY: matmul_uninit initialised all m·n values (or returned an error above).
+                unsafe { c.set_len(m * n) };
+                c
+            }
+            None => {
+                let mut c = vec![0f32; m * n];
+                if k > 0 {
+                    gemm_f32(&rounded(&a), &rounded(&b), &mut c, m, k, n);
+                }
+                c
+            }
+        };
         Ok((CpuStorage::F32(c), Shape::from_dims(&[m, n])))
     }
 
@@ -241,28 +254,33 @@ pub fn bf16_bits(x: f32) -> u16 {
     }
 }
 
-/// `dst[i] = bf16_bits(src[i])` (lengths equal), vectorised where AVX512_BF16 exists.
-fn to_bf16(src: &[f32], dst: &mut [u16]) {
+/// `dst[i] = bf16_bits(src[i])` (lengths equal), 32 values per instruction on x86_64.
+///
+/// # Safety
+/// On x86_64 the CPU must have AVX512F and AVX512_BF16 (every bf16 backend implies both). The
+/// packers carry the same target features, so this inlines into their loops.
+#[inline]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
-    if avx512bf16_available() {
-        // SAFETY: the CPU has AVX512F and AVX512_BF16 (checked just above).
-        unsafe { convert::to_bf16(src, dst) };
-        return;
-    }
+    convert::to_bf16(src, dst);
+    #[cfg(not(target_arch = "x86_64"))]
     for (o, &v) in dst.iter_mut().zip(src) {
         *o = bf16_bits(v);
     }
 }
 
-/// `dst[j] = bf16(lo[j]) | bf16(hi[j]) << 16` (hi absent: zero), vectorised where possible.
-fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
+/// `dst[j] = bf16(lo[j]) | bf16(hi[j]) << 16` (hi absent: zero), 16 pairs per step on x86_64.
+///
+/// # Safety
+/// As [`to_bf16`].
+#[inline]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
-    if avx512bf16_available() {
-        // SAFETY: as in to_bf16.
-        unsafe { convert::to_bf16_pairs(lo, hi, dst) };
-        return;
-    }
+    convert::to_bf16_pairs(lo, hi, dst);
+    #[cfg(not(target_arch = "x86_64"))]
     for (j, o) in dst.iter_mut().enumerate() {
         *o = pair(lo[j], hi.map_or(0.0, |h| h[j]));
     }
@@ -283,12 +301,19 @@ fn round_up(x: usize, to: usize) -> usize {
 
 /// Rows `i0..i0 + 32` of A packed into `blk` as `[kp/32][32][32]` bf16: for each step of 32
 /// values of k, a 32×32 row-major chunk (zero padded).
+///
+/// # Safety
+/// As [`to_bf16`].
 #[inline(never)]
-fn pack_a_block(a: &MatRef, i0: usize, kp: usize, blk: &mut [u16]) {
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn pack_a_block(a: &MatRef, i0: usize, kp: usize, blk: &mut [u16]) {
     const CHUNK: usize = BLOCK * BLOCK;
     debug_assert_eq!(blk.len(), BLOCK * kp);
-    blk.fill(0);
     let (rows, cols) = (BLOCK.min(a.rows - i0), a.cols);
+    if rows < BLOCK || cols < kp {
+        // Padding rows or columns must read as zero; a full block overwrites everything.
+        blk.fill(0);
+    }
     if a.cs == 1 {
         // Rows contiguous: convert 32 values at a time into each chunk's row.
         for r in 0..rows {
@@ -333,44 +358,67 @@ const PANEL: usize = 16;
 fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
     let pairs_p = kp / 2;
     let mut out = vec![0u32; np * pairs_p];
-    let (k, n) = (b.rows, b.cols);
-    let pairs = k.div_ceil(2);
-    out.par_chunks_mut(PANEL * pairs_p).take(n.div_ceil(PANEL)).enumerate().for_each(|(pi, panel)| {
-        let j0 = pi * PANEL;
-        let w = PANEL.min(n - j0);
-        if b.cs == 1 {
-            // Rows contiguous: pair row p interleaves rows 2p and 2p+1 of this panel's columns.
-            for p in 0..pairs {
-                let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
-                let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
-                to_bf16_pairs(r0, r1, &mut panel[p * PANEL..p * PANEL + w]);
-            }
-        } else if b.rs == 1 {
-            // Columns contiguous (the transpose of a row-major weight): consecutive bf16 values
-            // along k, read as u32, are exactly the pairs.
-            let mut run = vec![0u16; 2 * pairs];
-            for jj in 0..w {
-                let src = &b.data[(j0 + jj) * b.cs..(j0 + jj) * b.cs + k];
-                to_bf16(src, &mut run[..k]);
-                for (p, ch) in run.chunks_exact(2).enumerate() {
-                    panel[p * PANEL + jj] = ch[0] as u32 | (ch[1] as u32) << 16;
-                }
-            }
-        } else {
-            for p in 0..pairs {
-                for jj in 0..w {
-                    let hi = if 2 * p + 1 < k { b.at(2 * p + 1, j0 + jj) } else { 0.0 };
-                    panel[p * PANEL + jj] = pair(b.at(2 * p, j0 + jj), hi);
-                }
-            }
-        }
+    out.par_chunks_mut(PANEL * pairs_p).take(b.cols.div_ceil(PANEL)).enumerate().for_each(|(pi, panel)| {
+        // SAFETY: matmul_into runs only with a backend, and every backend implies the features.
+        unsafe { pack_b_panel(b, pi, panel) }
     });
     out
+}
+
+/// Panel `pi` (columns 16·pi .. 16·pi + 16) of [`pack_b`].
+///
+/// # Safety
+/// As [`to_bf16`].
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn pack_b_panel(b: &MatRef, pi: usize, panel: &mut [u32]) {
+    let (k, n) = (b.rows, b.cols);
+    let pairs = k.div_ceil(2);
+    let j0 = pi * PANEL;
+    let w = PANEL.min(n - j0);
+    if b.cs == 1 {
+        // Rows contiguous: pair row p interleaves rows 2p and 2p+1 of this panel's columns.
+        for p in 0..pairs {
+            let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
+            let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
+            to_bf16_pairs(r0, r1, &mut panel[p * PANEL..p * PANEL + w]);
+        }
+    } else if b.rs == 1 {
+        // Columns contiguous (the transpose of a row-major weight): consecutive bf16 values
+        // along k, read as u32, are exactly the pairs.
+        let mut run = vec![0u16; 2 * pairs];
+        for jj in 0..w {
+            let src = &b.data[(j0 + jj) * b.cs..(j0 + jj) * b.cs + k];
+            to_bf16(src, &mut run[..k]);
+            for (p, ch) in run.chunks_exact(2).enumerate() {
+                panel[p * PANEL + jj] = ch[0] as u32 | (ch[1] as u32) << 16;
+            }
+        }
+    } else {
+        for p in 0..pairs {
+            for jj in 0..w {
+                let hi = if 2 * p + 1 < k { b.at(2 * p + 1, j0 + jj) } else { 0.0 };
+                panel[p * PANEL + jj] = pair(b.at(2 * p, j0 + jj), hi);
+            }
+        }
+    }
 }
 
 /// C (row-major `[m, n]`, overwritten) = A·B with bf16 inputs and f32 sums, on `backend`.
 /// Errors if the shapes disagree, a view reaches outside its data, or the backend cannot run here.
 pub fn matmul_into(backend: Bf16Backend, a: MatRef, b: MatRef, c: &mut [f32]) -> std::result::Result<(), String> {
+    // SAFETY: MaybeUninit<f32> has f32's layout, and only initialised values are written.
+    let c = unsafe { &mut *(c as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    matmul_uninit(backend, a, b, c)
+}
+
+/// [`matmul_into`] into possibly uninitialised memory: every value of `c` is written (unless an
+/// error is returned).
+fn matmul_uninit(
+    backend: Bf16Backend,
+    a: MatRef,
+    b: MatRef,
+    c: &mut [MaybeUninit<f32>],
+) -> std::result::Result<(), String> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k {
         return Err(format!("bf16 matmul: A is {m}x{k} but B is {}x{n}", b.rows));
@@ -387,7 +435,7 @@ pub fn matmul_into(backend: Bf16Backend, a: MatRef, b: MatRef, c: &mut [f32]) ->
         return Ok(());
     }
     if k == 0 {
-        c.fill(0.0);
+        c.fill(MaybeUninit::new(0.0));
         return Ok(());
     }
     let np = round_up(n, BLOCK);
@@ -406,7 +454,8 @@ pub fn matmul_into(backend: Bf16Backend, a: MatRef, b: MatRef, c: &mut [f32]) ->
         c.par_chunks_mut(BLOCK * n).enumerate().for_each_init(
             || vec![0u16; BLOCK * kcp],
             |blk, (rb, c_rows)| {
-                pack_a_block(&a_chunk, rb * BLOCK, kcp, blk);
+                // SAFETY: a backend is available, and every backend implies the features.
+                unsafe { pack_a_block(&a_chunk, rb * BLOCK, kcp, blk) };
                 run_row_block(backend, blk, &packed_b, kcp, n, accumulate, c_rows);
             },
         );
@@ -424,11 +473,14 @@ fn run_row_block(
     kp: usize,
     n: usize,
     accumulate: bool,
-    c_rows: &mut [f32],
+    c_rows: &mut [MaybeUninit<f32>],
 ) {
     #[cfg(target_arch = "x86_64")]
     {
         let rows = c_rows.len() / n;
+        // Only values written by this call (or by the previous k chunk, when accumulating)
+        // are ever read.
+        let c_ptr = c_rows.as_mut_ptr() as *mut f32;
         let mut tmp = [0f32; BLOCK * BLOCK];
         if backend == Bf16Backend::Amx {
             // SAFETY: amx_available() was checked by matmul_into; tiles are configured per thread.
@@ -438,11 +490,15 @@ fn run_row_block(
             let cols = BLOCK.min(n - c0);
             // Whole blocks are stored straight into C; edge blocks through `tmp`.
             let whole = rows == BLOCK && cols == BLOCK;
-            let (out, ldc) = if whole { (c_rows[c0..].as_mut_ptr(), n) } else { (tmp.as_mut_ptr(), BLOCK) };
+            // SAFETY (pointer arithmetic): c0 < n, inside the rows of c_rows.
+            let (out, ldc) = if whole { (unsafe { c_ptr.add(c0) }, n) } else { (tmp.as_mut_ptr(), BLOCK) };
             if !whole && accumulate {
                 tmp.fill(0.0);
                 for r in 0..rows {
-                    tmp[r * BLOCK..r * BLOCK + cols].copy_from_slice(&c_rows[r * n + c0..r * n + c0 + cols]);
+                    // SAFETY: the previous k chunk wrote these values; the ranges do not overlap.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(c_ptr.add(r * n + c0), tmp.as_mut_ptr().add(r * BLOCK), cols)
+                    };
                 }
             }
             // SAFETY: the packed buffers hold whole 32x32 blocks (padded); `out` has 32 rows of
@@ -455,7 +511,8 @@ fn run_row_block(
             }
             if !whole {
                 for r in 0..rows {
-                    c_rows[r * n + c0..r * n + c0 + cols].copy_from_slice(&tmp[r * BLOCK..r * BLOCK + cols]);
+                    // SAFETY: row r, columns c0..c0+cols of c_rows; tmp is a separate buffer.
+                    unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr().add(r * BLOCK), c_ptr.add(r * n + c0), cols) };
                 }
             }
         }
@@ -492,6 +549,7 @@ mod convert {
     use super::{bf16_bits, pair};
     use std::arch::x86_64::*;
 
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
         let n = src.len().min(dst.len());
@@ -509,6 +567,7 @@ mod convert {
         }
     }
 
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
         let n = dst.len();
@@ -739,18 +798,24 @@ mod tests {
             -2.5e10,
         ];
         xs.extend(random(37, 9));
+        if !avx512bf16_available() {
+            return;
+        }
         let mut got = vec![0u16; xs.len()];
-        to_bf16(&xs, &mut got);
+        // SAFETY: checked just above.
+        unsafe { to_bf16(&xs, &mut got) };
         let want: Vec<u16> = xs.iter().map(|&x| bf16_bits(x)).collect();
         assert_eq!(got, want);
         let (lo, hi) = xs.split_at(xs.len() / 2);
         let mut pairs = vec![0u32; lo.len().min(hi.len())];
         let n = pairs.len();
-        to_bf16_pairs(&lo[..n], Some(&hi[..n]), &mut pairs);
+        // SAFETY: as above.
+        unsafe { to_bf16_pairs(&lo[..n], Some(&hi[..n]), &mut pairs) };
         for (j, &p) in pairs.iter().enumerate() {
             assert_eq!(p, pair(lo[j], hi[j]), "pair {j}");
         }
-        to_bf16_pairs(&lo[..n], None, &mut pairs);
+        // SAFETY: as above.
+        unsafe { to_bf16_pairs(&lo[..n], None, &mut pairs) };
         for (j, &p) in pairs.iter().enumerate() {
             assert_eq!(p, bf16_bits(lo[j]) as u32, "lone {j}");
         }
