@@ -4,7 +4,8 @@
 Runs `difftx bench` and `bench/pytorch_ref.py` alternately for a few rounds on this machine and
 prints one JSON report: the CPU (from difftx's report), every round's tokens/s of both engines, and
 the ratios of each round (difftx / PyTorch), so that machine noise shows as spread between rounds
-rather than as a bias of one engine.
+rather than as a bias of one engine. difftx's bf16 training (`train_bf16`, where the CPU has AMX or
+AVX512_BF16) is compared with PyTorch's f32 training.
 
 Usage:
     python3 bench/side_by_side.py --python /tmp/hfvenv/bin/python [--rounds 2] [--no-train]
@@ -67,6 +68,14 @@ def main():
                 row["difftx"][key], row["pytorch"][key] = x, y
                 if x and y:
                     row["ratio_difftx_over_pytorch"][key] = round(x / y, 3)
+        # difftx's bf16 training (where the CPU has AMX or AVX512_BF16) against PyTorch's f32 run.
+        for fam in ["baseline", "diff-v1"]:
+            key = f"train_bf16_{fam}_tokens_per_sec"
+            x, y = get(ours, "train_bf16", fam, "tokens_per_sec"), get(theirs, "train", fam, "tokens_per_sec")
+            row["difftx"][key] = x
+            if x and y:
+                row["ratio_difftx_over_pytorch"][f"{key}_over_pytorch_f32"] = round(x / y, 3)
+        row["difftx"]["train_bf16_step_time_diff-v1_over_baseline"] = get(ours, "ratios", "train_bf16_step_time_diff-v1_over_baseline")
         for key in ["train_step_time_diff-v1_over_baseline", "decode_time_diff-v1_over_baseline"]:
             row["difftx"][key] = get(ours, "ratios", key)
             row["pytorch"][key] = get(theirs, "ratios", key)

@@ -1,6 +1,6 @@
 //! bf16 matrix products with f32 accumulation, for mixed-precision training: C = A·B where every
-//! element of A and B is first rounded to bf16 (round to nearest, ties to even) and the products
-//! are summed in f32. C, the inputs and everything around the product stay f32.
+//! element of A and B is first rounded to bf16 (round to nearest, ties to even, denormals to zero)
+//! and the products are summed in f32. C, the inputs and everything around the product stay f32.
 //!
 //! Layout: A `[m, k]` and B `[k, n]` are f32 views with any strides (so transposed operands of
 //! the backward need no copy); C is row-major `[m, n]`. k is taken in chunks (so that packed B
@@ -36,13 +36,7 @@ pub fn matmul_bf16(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let Some(backend) = bf16_backend() else {
         bail!("difftx_kernels::matmul_bf16: this CPU has neither AMX-BF16 nor AVX512_BF16");
     };
-    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
-    if k != k2 {
-        bail!("difftx_kernels::matmul_bf16: cannot multiply [{m}, {k}] by [{k2}, {n}]");
-    }
-    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
-        bail!("difftx_kernels::matmul_bf16: f32 operands only, got {:?} and {:?}", a.dtype(), b.dtype());
-    }
+    check_operands("matmul_bf16", a, b)?;
     a.apply_op2(b, MatmulBf16 { backend: Some(backend) })
 }
 
@@ -50,14 +44,20 @@ pub fn matmul_bf16(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// in the backward) computed by f32 gemm on rounded copies: the reference path, on any CPU.
 /// The two differ only in the order of the f32 sums.
 pub fn matmul_bf16_emulated(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    check_operands("matmul_bf16_emulated", a, b)?;
+    a.apply_op2(b, MatmulBf16 { backend: None })
+}
+
+/// Both operands f32 matrices whose inner dimensions agree.
+fn check_operands(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
     let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
     if k != k2 {
-        bail!("difftx_kernels::matmul_bf16_emulated: cannot multiply [{m}, {k}] by [{k2}, {n}]");
+        bail!("difftx_kernels::{op}: cannot multiply [{m}, {k}] by [{k2}, {n}]");
     }
     if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
-        bail!("difftx_kernels::matmul_bf16_emulated: f32 operands only, got {:?} and {:?}", a.dtype(), b.dtype());
+        bail!("difftx_kernels::{op}: f32 operands only, got {:?} and {:?}", a.dtype(), b.dtype());
     }
-    a.apply_op2(b, MatmulBf16 { backend: None })
+    Ok(())
 }
 
 /// `backend` None: the emulated reference.
