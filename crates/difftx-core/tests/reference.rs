@@ -272,6 +272,37 @@ fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
     a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
+/// A model over fresh `Var`s (so that gradients reach every parameter), and the vars by name.
+fn trainable_model(cfg: &ModelConfig, seed: u64) -> (Model, Vec<(String, Var)>) {
+    let weights = init_weights(cfg, seed, DType::F32, &Device::Cpu).unwrap();
+    let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap())).collect();
+    let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    (Model::from_weights(cfg, &map).unwrap(), vars)
+}
+
+/// Two sequences of 19 ids and their targets.
+fn loss_batch(cfg: &ModelConfig) -> (Tensor, Tensor) {
+    let ids = Tensor::new(vec![ids_for(cfg, 19, 1), ids_for(cfg, 19, 8)], &Device::Cpu).unwrap();
+    let targets = Tensor::new(vec![ids_for(cfg, 19, 2), ids_for(cfg, 19, 3)], &Device::Cpu).unwrap();
+    (ids, targets)
+}
+
+/// The logits and every var's gradient of the mean loss, flattened.
+fn logits_and_grads(
+    model: &Model,
+    vars: &[(String, Var)],
+    ids: &Tensor,
+    targets: &Tensor,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let logits = model.forward(ids, None).unwrap();
+    let grads = Model::loss(&logits, targets).unwrap().backward().unwrap();
+    let g = vars
+        .iter()
+        .map(|(_, v)| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    (logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), g)
+}
+
 // ---------------------------------------------------------------- tests
 
 #[test]
@@ -438,23 +469,12 @@ fn quantisation_probes_change_logits_by_the_expected_amount() {
 fn fused_kernels_equal_reference_path_forward_and_backward() {
     use difftx_core::Kernels;
     for (label, cfg) in variants() {
-        let weights = init_weights(&cfg, 21, DType::F32, &Device::Cpu).unwrap();
-        let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap())).collect();
-        let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-        let mut model = Model::from_weights(&cfg, &map).unwrap();
-        let ids = Tensor::new(vec![ids_for(&cfg, 19, 1), ids_for(&cfg, 19, 8)], &Device::Cpu).unwrap();
-        let targets = Tensor::new(vec![ids_for(&cfg, 19, 2), ids_for(&cfg, 19, 3)], &Device::Cpu).unwrap();
+        let (mut model, vars) = trainable_model(&cfg, 21);
+        let (ids, targets) = loss_batch(&cfg);
         let mut results = Vec::new();
         for kernels in [Kernels::Reference, Kernels::Fused] {
             model.opts.kernels = kernels;
-            let logits = model.forward(&ids, None).unwrap();
-            let loss = Model::loss(&logits, &targets).unwrap();
-            let grads = loss.backward().unwrap();
-            let g: Vec<Vec<f32>> = vars
-                .iter()
-                .map(|(_, v)| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
-                .collect();
-            results.push((logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), g));
+            results.push(logits_and_grads(&model, &vars, &ids, &targets));
         }
         let (r, f) = (&results[0], &results[1]);
         let rel = |a: &[f32], b: &[f32]| {
@@ -533,23 +553,12 @@ fn bf16_products_match_their_emulation_and_stay_near_f32() {
         // input that rounds to the other bf16 neighbour (the sums' order differs between kernel
         // and emulation) can move a whole attention row; at a trained model's scale it cannot.
         cfg.init_std = 0.05;
-        let weights = init_weights(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
-        let vars: Vec<(String, Var)> = weights.iter().map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap())).collect();
-        let map: HashMap<String, Tensor> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-        let mut model = Model::from_weights(&cfg, &map).unwrap();
-        let ids = Tensor::new(vec![ids_for(&cfg, 19, 1), ids_for(&cfg, 19, 8)], &Device::Cpu).unwrap();
-        let targets = Tensor::new(vec![ids_for(&cfg, 19, 2), ids_for(&cfg, 19, 3)], &Device::Cpu).unwrap();
+        let (mut model, vars) = trainable_model(&cfg, 5);
+        let (ids, targets) = loss_batch(&cfg);
         let mut results = Vec::new();
         for &precision in &runs {
             model.opts.precision = precision;
-            let logits = model.forward(&ids, None).unwrap();
-            let loss = Model::loss(&logits, &targets).unwrap();
-            let grads = loss.backward().unwrap();
-            let g: Vec<Vec<f32>> = vars
-                .iter()
-                .map(|(_, v)| grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
-                .collect();
-            results.push((logits.flatten_all().unwrap().to_vec1::<f32>().unwrap(), g));
+            results.push(logits_and_grads(&model, &vars, &ids, &targets));
         }
         // Largest difference relative to the largest value.
         let rel = |a: &[f32], b: &[f32]| {

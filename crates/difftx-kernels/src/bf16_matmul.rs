@@ -683,8 +683,9 @@ mod amx {
         asm!("tilerelease", options(nostack, nomem));
     }
 
-    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (32 rows of
-    /// `[kp]` bf16) · B columns c0..c0+32. Tiles: 0-3 accumulate C (rows 0-15 / 16-31 × cols 0-15 / 16-31), 4-5 hold A, 6-7 hold B.
+    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (packed
+    /// `[kp/32][32][32]` bf16) · B columns c0..c0+32 (packed panels `[np/16][kp/2][16]`).
+    /// Tiles: 0-3 accumulate C (rows 0-15 / 16-31 × cols 0-15 / 16-31), 4-5 hold A, 6-7 hold B.
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn block(
