@@ -1,5 +1,6 @@
 //! GMAC/s and GB/s of `matmul_packed` at batch 1 from cache (one weight) and from memory (28
-//! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine.
+//! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine; then f32 GMAC/s
+//! of several rows at once (batched decode) on the 28 weights.
 use difftx_kernels::decode::{matmul_packed, PackedWeight, WeightPrecision};
 fn main() {
     for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
@@ -32,5 +33,23 @@ fn main() {
                 s / (reps * n_w) as f64 * 1e6
             );
         }
+    }
+    for rows in [2usize, 3, 4, 8, 16] {
+        let ws: Vec<PackedWeight> = (0..28)
+            .map(|k| {
+                PackedWeight::from_rows(&(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(), 256)
+            })
+            .collect();
+        let x = vec![0.5f32; rows * 256];
+        let mut y = vec![0f32; rows * 704];
+        let reps = 100;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            for w in &ws {
+                matmul_packed(&x, w, &mut y);
+            }
+        }
+        let s = t0.elapsed().as_secs_f64();
+        println!("F32 {rows} rows: {:.1} GMAC/s", (reps * 28 * rows * 704 * 256) as f64 / s / 1e9);
     }
 }

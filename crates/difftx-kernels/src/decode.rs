@@ -49,11 +49,17 @@ mod body {
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·panel[i, k]` for one packed panel (`[in, w]`, w <= 64) and every
-    /// row of x; y has row stride `ld`. Rows go four at a time so each weight load serves four
-    /// rows and the 4 × 64 sums stay in registers (no horizontal reductions); `FMA` picks fused
-    /// multiply-adds (only where the CPU has them).
+    /// row of x; y has row stride `ld`. The panel is taken in chunks of `KB` inputs (16 KiB of
+    /// f32) that stay in L1 while every row and column pass uses them, so it is read from memory
+    /// once per call. Rows go `RG` at a time so each weight load serves several rows, with
+    /// `RG × CB` sums in registers (no horizontal reductions); a single row keeps all 64. `CB`
+    /// (the columns summed per pass) fits the register file: 64 with AVX-512's 32 wide registers,
+    /// 16 with AVX2's 16, where 4 × 64 sums spilled to the stack. The sums carry over chunks
+    /// through y, in input order, so the result depends on neither `CB` nor `KB`. `FMA` picks
+    /// fused multiply-adds (only where the CPU has them).
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub fn panel<E: Element, const FMA: bool>(
+    pub fn panel<E: Element, const FMA: bool, const RG: usize, const CB: usize>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -62,16 +68,23 @@ mod body {
         ld: usize,
         col0: usize,
     ) {
+        const KB: usize = 64;
         let rows = x.len() / in_dim;
-        let mut r0 = 0;
-        while r0 < rows {
-            match rows - r0 {
-                1 => block::<E, 1, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
-                2 => block::<E, 2, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
-                3 => block::<E, 3, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
-                _ => block::<E, 4, FMA>(x, in_dim, panel, w, r0, y, ld, col0),
+        if w < super::PANEL {
+            return narrow::<E, FMA>(x, in_dim, panel, w, y, ld, col0);
+        }
+        for i0 in (0..in_dim).step_by(KB) {
+            let inputs = i0..(i0 + KB).min(in_dim);
+            let mut r0 = 0;
+            while r0 < rows {
+                let i = inputs.clone();
+                r0 += match rows - r0 {
+                    left if left >= RG => chunk::<E, RG, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                    1 => chunk::<E, 1, { super::PANEL }, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                    2 => chunk::<E, 2, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                    _ => chunk::<E, 3, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                };
             }
-            r0 += 4;
         }
     }
 
@@ -84,46 +97,66 @@ mod body {
         }
     }
 
-    /// Rows r0..r0 + R of `panel`.
+    /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn block<E: Element, const R: usize, const FMA: bool>(
+    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
-        w: usize,
+        inputs: std::ops::Range<usize>,
         r0: usize,
         y: &mut [f32],
         ld: usize,
         col0: usize,
-    ) {
+    ) -> usize {
         const C: usize = super::PANEL;
-        let xs: [&[f32]; R] = std::array::from_fn(|r| &x[(r0 + r) * in_dim..(r0 + r + 1) * in_dim]);
-        if w == C {
-            let mut acc = [[0f32; C]; R];
-            for (i, wi) in panel.chunks_exact(C).enumerate().take(in_dim) {
-                let wi: &[E; C] = wi.try_into().unwrap();
-                let wf: [f32; C] = std::array::from_fn(|k| wi[k].to_f32());
+        let xs: [&[f32]; R] =
+            std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+        for c in (0..C).step_by(CB) {
+            let mut acc = [[0f32; CB]; R];
+            if inputs.start > 0 {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let at = (r0 + r) * ld + col0 + c;
+                    a.copy_from_slice(&y[at..at + CB]);
+                }
+            }
+            for (i, wi) in panel[inputs.start * C..inputs.end * C].chunks_exact(C).enumerate() {
+                let wi: &[E; CB] = wi[c..c + CB].try_into().unwrap();
+                let wf: [f32; CB] = std::array::from_fn(|k| wi[k].to_f32());
                 for r in 0..R {
                     let xv = xs[r][i];
-                    for k in 0..C {
+                    for k in 0..CB {
                         acc[r][k] = madd::<FMA>(acc[r][k], xv, wf[k]);
                     }
                 }
             }
-            for r in 0..R {
-                y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + C].copy_from_slice(&acc[r]);
+            for (r, a) in acc.iter().enumerate() {
+                let at = (r0 + r) * ld + col0 + c;
+                y[at..at + CB].copy_from_slice(a);
             }
-        } else {
-            // The last panel, narrower than 64 columns.
-            for r in 0..R {
-                let yr = &mut y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + w];
-                yr.fill(0.0);
-                for (i, wi) in panel.chunks_exact(w).enumerate().take(in_dim) {
-                    let xv = xs[r][i];
-                    for (yv, &wv) in yr.iter_mut().zip(wi) {
-                        *yv = madd::<FMA>(*yv, xv, wv.to_f32());
-                    }
+        }
+        R
+    }
+
+    /// The last panel, narrower than 64 columns: one row at a time.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn narrow<E: Element, const FMA: bool>(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[E],
+        w: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) {
+        for (r, xr) in x.chunks_exact(in_dim).enumerate() {
+            let yr = &mut y[r * ld + col0..r * ld + col0 + w];
+            yr.fill(0.0);
+            for (wi, &xv) in panel.chunks_exact(w).zip(xr) {
+                for (yv, &wv) in yr.iter_mut().zip(wi) {
+                    *yv = madd::<FMA>(*yv, xv, wv.to_f32());
                 }
             }
         }
@@ -202,20 +235,20 @@ mod body {
 /// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
 /// (none for `base`), fused multiply-adds where `$fma`.
 macro_rules! isa_variants {
-    ($m:ident, $fma:literal $(, $feat:literal)?) => {
+    ($m:ident, $fma:literal, $rg:literal, $cb:literal $(, $feat:literal)?) => {
         mod $m {
             use super::{body, Bf16};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<f32, $fma>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<f32, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_bf16(x: &[f32], in_dim: usize, p: &[Bf16], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<Bf16, $fma>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<Bf16, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<i8, $fma>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<i8, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
@@ -233,11 +266,11 @@ macro_rules! isa_variants {
     };
 }
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx512, true, "avx512f,avx2,fma");
+isa_variants!(avx512, true, 4, 64, "avx512f,avx2,fma");
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx2, true, "avx2,fma");
+isa_variants!(avx2, true, 4, 16, "avx2,fma");
 // Baseline x86-64 (or another architecture): no FMA, whose software fallback would be slow.
-isa_variants!(base, false);
+isa_variants!(base, false, 4, 16);
 
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
@@ -545,6 +578,7 @@ mod tests {
             (1, 256, 704),
             (5, 300, 257),
             (9, 64, 130),
+            (7, 129, 128),
             (16, 256, 768),
         ] {
             let x = random(rows * in_dim, &mut rng);
