@@ -5,7 +5,7 @@ baseline = LlamaForCausalLM, diff-v1 = DiffLlamaForCausalLM (no diff-v2 in trans
 at bench-s: 6 layers, D 256, 8 heads (d 32), SwiGLU 704, vocab 256, f32, torch threads = 2.
 
 * train: tokens/s of fwd + cross-entropy + bwd + clip_grad_norm_(1.0) + AdamW(0.9, 0.95, wd 0.1)
-  on batch 8 x 256 random tokens, after warmup steps.
+  on batch 8 x 256 random tokens, after warmup steps; the families' timed steps alternate.
 * decode: `generate`, batch 1, greedy, KV cache, 256 new tokens after a 16-token prompt.
 * attn_long: one layer's self-attention forward (SDPA) on [1, N, 256], each N in a child process
   whose peak RSS (VmHWM) is reported, including its baseline (interpreter, torch, the layer).
@@ -48,44 +48,66 @@ def make_model(family, layers=6, max_pos=512):
     raise SystemExit(f"no Hugging Face model for family {family}")
 
 
-def bench_train(family, batch, seq, warmup, steps):
-    import torch
-    import torch.nn.functional as F
+class TrainRun:
+    """One family's training run; `step(timed)` runs one step on a fresh random batch."""
 
-    model = make_model(family)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    g = torch.Generator().manual_seed(0)
-    ph = dict(forward_loss=0.0, backward=0.0, clip=0.0, adamw=0.0)
-    times, loss_v = [], float("nan")
-    for i in range(warmup + steps):
-        x = torch.randint(0, 256, (batch, seq), generator=g)
-        y = torch.randint(0, 256, (batch, seq), generator=g)
+    def __init__(self, family, batch, seq):
+        import torch
+
+        self.model = make_model(family)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        self.g = torch.Generator().manual_seed(0)
+        self.batch, self.seq = batch, seq
+        self.ph = dict(forward_loss=0.0, backward=0.0, clip=0.0, adamw=0.0)
+        self.times, self.loss_v = [], float("nan")
+
+    def step(self, timed):
+        import torch
+        import torch.nn.functional as F
+
+        x = torch.randint(0, 256, (self.batch, self.seq), generator=self.g)
+        y = torch.randint(0, 256, (self.batch, self.seq), generator=self.g)
         t0 = time.perf_counter()
-        logits = model(input_ids=x).logits
+        logits = self.model(input_ids=x).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss_v = loss.item()
+        self.loss_v = loss.item()
         t1 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
         t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         t3 = time.perf_counter()
-        opt.step()
+        self.opt.step()
         t4 = time.perf_counter()
-        if i >= warmup:
-            times.append(t4 - t0)
+        if timed:
+            self.times.append(t4 - t0)
             for k, a, b in (("forward_loss", t0, t1), ("backward", t1, t2), ("clip", t2, t3), ("adamw", t3, t4)):
-                ph[k] += b - a
-    total = sum(times)
-    ms = lambda s: round(s / steps * 1e3, 1)
-    return {
-        "tokens_per_sec": round(batch * seq * steps / total),
-        "step_ms_mean": ms(total), "step_ms_median": round(sorted(times)[len(times) // 2] * 1e3, 1),
-        "phase_ms_mean": {k: ms(v) for k, v in ph.items()},
-        "steps": steps, "warmup_steps": warmup, "batch": batch, "seq": seq,
-        "params": sum(p.numel() for p in model.parameters()), "last_loss": loss_v,
-    }
+                self.ph[k] += b - a
+
+    def report(self, warmup):
+        steps, total = len(self.times), sum(self.times)
+        ms = lambda s: round(s / steps * 1e3, 1)
+        return {
+            "tokens_per_sec": round(self.batch * self.seq * steps / total),
+            "step_ms_mean": ms(total), "step_ms_median": round(sorted(self.times)[steps // 2] * 1e3, 1),
+            "phase_ms_mean": {k: ms(v) for k, v in self.ph.items()},
+            "steps": steps, "warmup_steps": warmup, "batch": self.batch, "seq": self.seq,
+            "params": sum(p.numel() for p in self.model.parameters()), "last_loss": self.loss_v,
+        }
+
+
+def bench_train(families, batch, seq, warmup, steps):
+    """Every family's training, timed side by side: after the warmup steps, one timed step of each
+    in turn (as `difftx bench` does), so that a shared host's swings in speed fall on all alike."""
+    runs = {f: TrainRun(f, batch, seq) for f in families}
+    for run in runs.values():
+        for _ in range(warmup):
+            run.step(False)
+    for _ in range(steps):
+        for run in runs.values():
+            run.step(True)
+    return {f: run.report(warmup) for f, run in runs.items()}
 
 
 def bench_decode(family, prompt_tokens, new_tokens):
@@ -153,10 +175,11 @@ def main():
     if a.quick:
         lengths = [256, 512]
     train, decode, attn = {}, {}, {}
-    for f in families if not a.no_train else []:
-        print(f"pytorch_ref: training {f} ...", file=sys.stderr)
-        train[f] = bench_train(f, batch, seq, warmup, steps)
-        print(f"pytorch_ref: {json.dumps(train[f])}", file=sys.stderr)
+    if not a.no_train and families:
+        print(f"pytorch_ref: training {', '.join(families)} side by side ...", file=sys.stderr)
+        train = bench_train(families, batch, seq, warmup, steps)
+        for f in families:
+            print(f"pytorch_ref: {f} {json.dumps(train[f])}", file=sys.stderr)
     for f in families:
         print(f"pytorch_ref: decoding {f} ...", file=sys.stderr)
         decode[f] = bench_decode(f, prompt, new_tokens)

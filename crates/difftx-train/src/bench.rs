@@ -2,10 +2,11 @@
 //!
 //! * `train`: tokens/s of full training steps on `bench-s` (batch 8 × 256 tokens, f32): forward,
 //!   loss, backward, global-norm clipping and AdamW, the same pieces and order as the trainer.
-//!   Warmup steps first, then timed steps; per-phase means are reported too.
+//!   Warmup steps first, then timed steps; per-phase means are reported too. All families (and
+//!   their bf16 runs) are timed side by side: one step of each in turn, so that a shared host's
+//!   swings in speed fall on all of them alike and their ratios hold.
 //! * `train_bf16`: the same steps with bf16 products in the linear layers (`Precision::Bf16`:
-//!   AMX or AVX512_BF16), timed right after each family's f32 run; absent where the CPU has
-//!   neither.
+//!   AMX or AVX512_BF16), interleaved with the f32 runs; absent where the CPU has neither.
 //! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
@@ -191,55 +192,92 @@ fn build(cfg: &ModelConfig, seed: u64) -> Result<(Model, Vec<(String, Var)>)> {
     Ok((Model::from_weights(cfg, &map)?, vars))
 }
 
-/// Training throughput of one family with the given kernels and precision.
-fn bench_train(
-    opts: &BenchOptions,
-    family: Family,
+/// One family's training run for the benchmark: model, optimizer, batch source and the timings
+/// of its steps so far.
+struct TrainBench {
+    cfg: ModelConfig,
+    model: Model,
+    vars: Vec<(String, Var)>,
+    opt: AdamW,
+    rng: rand::rngs::StdRng,
     kernels: Kernels,
     precision: Precision,
-    steps: usize,
-) -> Result<Value> {
-    let cfg = bench_config(opts, family)?;
-    let (mut model, vars) = build(&cfg, opts.seed)?;
-    model.opts.kernels = kernels;
-    model.opts.precision = precision;
-    let mut opt = AdamW::new(&vars, AdamWParams::default())?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
-    let (b, t) = (opts.batch_size, opts.seq_len);
-    let dev = Device::Cpu;
-    let mut batch = || -> Result<(Tensor, Tensor)> {
-        let x = random_ids(&mut rng, b * t, cfg.vocab_size);
-        let y = random_ids(&mut rng, b * t, cfg.vocab_size);
-        Ok((Tensor::from_vec(x, (b, t), &dev)?, Tensor::from_vec(y, (b, t), &dev)?))
-    };
-    let lr = 1e-3;
-    let mut ph = Phases::default();
-    for _ in 0..opts.warmup_steps {
-        let (xs, ys) = batch()?;
-        train_step(&model, &vars, &mut opt, &xs, &ys, lr, &mut ph)?;
+    phases: Phases,
+    step_secs: Vec<f64>,
+    last_loss: f64,
+}
+
+impl TrainBench {
+    fn new(opts: &BenchOptions, family: Family, kernels: Kernels, precision: Precision) -> Result<Self> {
+        let cfg = bench_config(opts, family)?;
+        let (mut model, vars) = build(&cfg, opts.seed)?;
+        model.opts.kernels = kernels;
+        model.opts.precision = precision;
+        let opt = AdamW::new(&vars, AdamWParams::default())?;
+        let rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
+        let (phases, step_secs) = (Phases::default(), Vec::new());
+        Ok(TrainBench { cfg, model, vars, opt, rng, kernels, precision, phases, step_secs, last_loss: f64::NAN })
     }
-    let mut ph = Phases::default();
-    let mut step_secs = Vec::with_capacity(steps);
-    let mut last_loss = f64::NAN;
-    for _ in 0..steps {
-        let (xs, ys) = batch()?;
+
+    /// One step on a fresh random batch; `timed` steps count in the report.
+    fn step(&mut self, opts: &BenchOptions, timed: bool) -> Result<()> {
+        let (b, t, dev) = (opts.batch_size, opts.seq_len, Device::Cpu);
+        let x = random_ids(&mut self.rng, b * t, self.cfg.vocab_size);
+        let y = random_ids(&mut self.rng, b * t, self.cfg.vocab_size);
+        let (xs, ys) = (Tensor::from_vec(x, (b, t), &dev)?, Tensor::from_vec(y, (b, t), &dev)?);
+        let mut untimed = Phases::default();
+        let phases = if timed { &mut self.phases } else { &mut untimed };
         let t0 = Instant::now();
-        last_loss = train_step(&model, &vars, &mut opt, &xs, &ys, lr, &mut ph)?;
-        step_secs.push(t0.elapsed().as_secs_f64());
+        self.last_loss = train_step(&self.model, &self.vars, &mut self.opt, &xs, &ys, 1e-3, phases)?;
+        if timed {
+            self.step_secs.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(())
     }
-    let total: f64 = step_secs.iter().sum();
-    let mut sorted = step_secs.clone();
-    sorted.sort_by(f64::total_cmp);
-    let n = steps.max(1) as f64;
-    let ms = |s: f64| (s / n * 1e4).round() / 10.0;
-    Ok(json!({
-        "tokens_per_sec": ((b * t * steps) as f64 / total).round(),
-        "step_ms_mean": ms(total),
-        "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
-        "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
-        "steps": steps, "warmup_steps": opts.warmup_steps, "batch": b, "seq": t,
-        "kernels": format!("{kernels:?}").to_lowercase(), "precision": precision.describe(), "params": cfg.param_counts().total, "last_loss": last_loss,
-    }))
+
+    fn report(&self, opts: &BenchOptions) -> Value {
+        let (b, t, steps) = (opts.batch_size, opts.seq_len, self.step_secs.len());
+        let total: f64 = self.step_secs.iter().sum();
+        let mut sorted = self.step_secs.clone();
+        sorted.sort_by(f64::total_cmp);
+        let n = steps.max(1) as f64;
+        let ms = |s: f64| (s / n * 1e4).round() / 10.0;
+        let ph = &self.phases;
+        json!({
+            "tokens_per_sec": ((b * t * steps) as f64 / total).round(),
+            "step_ms_mean": ms(total),
+            "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
+            "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
+            "steps": steps, "warmup_steps": opts.warmup_steps, "batch": b, "seq": t,
+            "kernels": format!("{:?}", self.kernels).to_lowercase(), "precision": self.precision.describe(),
+            "params": self.cfg.param_counts().total, "last_loss": self.last_loss,
+        })
+    }
+}
+
+/// Training throughput of several runs measured side by side: after each run's warmup steps,
+/// their timed steps alternate (one step of each in turn), so a change in the machine's speed
+/// during the measurement (other guests on a shared host swing it by up to 2× within minutes)
+/// falls on every run alike and their ratios stay meaningful.
+fn bench_train_interleaved(opts: &BenchOptions, runs: &mut [TrainBench], steps: usize) -> Result<Vec<Value>> {
+    for run in runs.iter_mut() {
+        for _ in 0..opts.warmup_steps {
+            run.step(opts, false)?;
+        }
+    }
+    let bar = indicatif::ProgressBar::new((steps * runs.len()) as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("bench: timed training steps {bar:30} {pos}/{len}")?);
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    for _ in 0..steps {
+        for run in runs.iter_mut() {
+            run.step(opts, true)?;
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(runs.iter().map(|r| r.report(opts)).collect())
 }
 
 /// Decode throughput, greedy: batch 1 through `generate` (the fused decoder, prompt included)
@@ -412,22 +450,29 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     let mut train_bf16 = Map::new();
     let mut decode = Map::new();
     let bf16 = opts.bf16 && Precision::bf16_available();
-    for &f in opts.families.iter().filter(|_| opts.train) {
-        eprintln!("bench: training {f} ...");
-        let r = bench_train(opts, f, Kernels::Fused, Precision::F32, opts.steps)?;
-        eprintln!("bench: {r}");
-        train.insert(f.as_str().into(), r);
-        if bf16 {
-            eprintln!("bench: training {f} with bf16 products ...");
-            let r = bench_train(opts, f, Kernels::Fused, Precision::Bf16, opts.steps)?;
+    if opts.train && !opts.families.is_empty() {
+        // Every family in f32 (and in bf16 where available), their timed steps interleaved.
+        let mut runs = Vec::new();
+        for &f in &opts.families {
+            runs.push(TrainBench::new(opts, f, Kernels::Fused, Precision::F32)?);
+            if bf16 {
+                runs.push(TrainBench::new(opts, f, Kernels::Fused, Precision::Bf16)?);
+            }
+        }
+        let labels: Vec<String> = runs.iter().map(|r| format!("{} {}", r.cfg.family, r.precision.describe())).collect();
+        eprintln!("bench: training {} side by side ...", labels.join(", "));
+        let reports = bench_train_interleaved(opts, &mut runs, opts.steps)?;
+        for (run, r) in runs.iter().zip(reports) {
             eprintln!("bench: {r}");
-            train_bf16.insert(f.as_str().into(), r);
+            let into = if run.precision == Precision::F32 { &mut train } else { &mut train_bf16 };
+            into.insert(run.cfg.family.as_str().into(), r);
         }
     }
     let mut reference = Map::new();
     if let Some(f) = opts.reference_family.filter(|_| opts.train) {
         eprintln!("bench: training {f} with reference kernels ...");
-        let r = bench_train(opts, f, Kernels::Reference, Precision::F32, opts.reference_steps.max(1))?;
+        let mut run = [TrainBench::new(opts, f, Kernels::Reference, Precision::F32)?];
+        let r = bench_train_interleaved(opts, &mut run, opts.reference_steps.max(1))?.remove(0);
         eprintln!("bench: {r}");
         reference.insert(f.as_str().into(), r);
     }
