@@ -161,6 +161,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attn-child", nargs=2, metavar=("FAMILY", "N"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.steps < 1 or a.warmup_steps < 0 or a.threads < 1:
+        ap.error("--steps and --threads must be at least 1, --warmup-steps at least 0")
 
     import torch
     torch.set_num_threads(a.threads)

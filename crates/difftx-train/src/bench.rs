@@ -215,8 +215,19 @@ impl TrainBench {
         model.opts.precision = precision;
         let opt = AdamW::new(&vars, AdamWParams::default())?;
         let rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
-        let (phases, step_secs) = (Phases::default(), Vec::new());
-        Ok(TrainBench { cfg, model, vars, opt, rng, kernels, precision, phases, step_secs, last_loss: f64::NAN })
+        let phases = Phases::default();
+        Ok(TrainBench {
+            cfg,
+            model,
+            vars,
+            opt,
+            rng,
+            kernels,
+            precision,
+            phases,
+            step_secs: Vec::new(),
+            last_loss: f64::NAN,
+        })
     }
 
     /// One step on a fresh random batch; `timed` steps count in the report.
@@ -266,10 +277,8 @@ fn bench_train_interleaved(opts: &BenchOptions, runs: &mut [TrainBench], steps: 
         }
     }
     let bar = indicatif::ProgressBar::new((steps * runs.len()) as u64);
+    // indicatif draws only when stderr is a terminal, so piped JSON runs stay clean.
     bar.set_style(indicatif::ProgressStyle::with_template("bench: timed training steps {bar:30} {pos}/{len}")?);
-    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
     for _ in 0..steps {
         for run in runs.iter_mut() {
             run.step(opts, true)?;
