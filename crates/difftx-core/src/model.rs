@@ -470,7 +470,7 @@ impl Attention {
                 // The same equations as below, with both maps of every pair in one fused attention
                 // over all H query heads: head h reads the kv head flash's GQA gives it, whose
                 // value is its pair's [v1, v2]; the heads are never split (docs/design.md §5).
-                let v = self.pair_values_per_head(v)?; // [B, Hkv, S, 2d]
+                let v = ops::pair_values_per_head(v, self.pairing, step.opts.kernels)?; // [B, Hkv, S, 2d]
                 let o = ops::attention(q, k, &v, self.scale(), step.offset, step.opts.kernels)?; // [B, H, T, 2d]
                 let lambda = diff.lambda()?;
                 let o = ops::diff_combine_pairs(&o, &lambda, self.pairing, step.opts.kernels)?; // [B, H/2, T, 2d]
@@ -521,21 +521,6 @@ impl Attention {
         step.opts.kernels == Kernels::Fused
             && step.opts.attn_logit_bits.is_none()
             && (self.pairing == HeadPairing::Halves || self.n_q == self.n_kv)
-    }
-
-    /// The pair values laid out per kv head for [`Self::both_maps_in_one_pass`]: kv head i holds
-    /// the value [v1, v2] of the pair its key head belongs to, [B, Hkv, S, 2d].
-    fn pair_values_per_head(&self, v: &Tensor) -> Result<Tensor> {
-        let pv = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
-        match self.pairing {
-            // kv heads (i, i + Hkv/2) form pair i
-            HeadPairing::Halves => Tensor::cat(&[&pv, &pv], 1),
-            // kv heads (2i, 2i + 1) form pair i
-            HeadPairing::Interleaved => {
-                let (b, p, s, w) = pv.dims4()?;
-                pv.unsqueeze(2)?.broadcast_as((b, p, 2, s, w))?.reshape((b, 2 * p, s, w))
-            }
-        }
     }
 
     fn scale(&self) -> f64 {

@@ -124,18 +124,42 @@ pub fn split_pairs(x: &Tensor, pairing: HeadPairing) -> Result<(Tensor, Tensor)>
     }
 }
 
+/// diff-v1's value of every head for one attention over the unsplit heads: v [B, heads, S, d] ->
+/// [B, heads, S, 2d], head i holding [v_a, v_b] of the pair (a, b) it belongs to (pairs as
+/// `pairing` says), so that query head i of pair (a, b) reads the pair's value through its own kv
+/// head (docs/design.md §5).
+pub fn pair_values_per_head(v: &Tensor, pairing: HeadPairing, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => difftx_kernels::pair_values(v, pair_layout(pairing)),
+        Kernels::Reference => {
+            let (v1, v2) = split_pairs(v, pairing)?;
+            let pv = Tensor::cat(&[v1, v2], 3)?; // [B, heads/2, S, 2d]
+            match pairing {
+                // heads (j, j + heads/2) form pair j
+                HeadPairing::Halves => Tensor::cat(&[&pv, &pv], 1),
+                // heads (2j, 2j + 1) form pair j
+                HeadPairing::Interleaved => {
+                    let (b, p, s, w) = pv.dims4()?;
+                    pv.unsqueeze(2)?.broadcast_as((b, p, 2, s, w))?.reshape((b, 2 * p, s, w))
+                }
+            }
+        }
+    }
+}
+
+fn pair_layout(pairing: HeadPairing) -> difftx_kernels::PairLayout {
+    match pairing {
+        HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,
+        HeadPairing::Halves => difftx_kernels::PairLayout::Halves,
+    }
+}
+
 /// The differential combination read from one tensor holding both maps of every pair:
 /// x [B, 2P, T, w] -> x_a − λ·x_b, [B, P, T, w], pairs as `pairing` says; λ is one element
 /// (diff-v1) or [B, P, T, 1] (diff-v2's per-token λ).
 pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, pairing: HeadPairing, kernels: Kernels) -> Result<Tensor> {
     match kernels {
-        Kernels::Fused => {
-            let layout = match pairing {
-                HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,
-                HeadPairing::Halves => difftx_kernels::PairLayout::Halves,
-            };
-            difftx_kernels::diff_combine_pairs(x, lambda, layout)
-        }
+        Kernels::Fused => difftx_kernels::diff_combine_pairs(x, lambda, pair_layout(pairing)),
         Kernels::Reference => {
             let (a, b) = split_pairs(x, pairing)?;
             a.broadcast_sub(&b.broadcast_mul(lambda)?)

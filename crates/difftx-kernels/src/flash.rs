@@ -17,13 +17,18 @@
 //! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
 //! processed one at a time with dot products and axpys instead of tiles.
 //!
-//! Backward (FlashAttention-2 recompute, two passes, no atomics, deterministic):
+//! Backward (FlashAttention-2 recompute, no atomics, deterministic):
 //! * `delta_t = dout_t · out_t`.
-//! * pass 1, per task `(b, kv head, key block)`: for every query head of the group and every block
-//!   of query rows that sees the key block, recompute `P = exp(scale Q K^T - lse)`,
-//!   `dS = scale P (dO V^T - delta)`, and accumulate `dV += P^T dO`, `dK += dS^T Q` into the key
-//!   block's own rows (so GQA heads sum without races).
-//! * pass 2, per task `(b, h, query block)`: the same recompute, accumulating `dQ += dS K`.
+//! * With at least `ONE_PASS_TASKS_PER_THREAD` (batch, kv head) pairs per thread (training
+//!   shapes), one pass, per task `(b, kv head)`: for every key block, every query head of the
+//!   group and every block of query rows that sees the key block, recompute
+//!   `P = exp(scale Q K^T - lse)` and `dS = scale P (dO V^T - delta)` once, and accumulate
+//!   `dV += P^T dO`, `dK += dS^T Q` and `dQ += dS K`; the task owns its kv head's dK, dV and its
+//!   group's dQ, so nothing races (5 tile products per tile).
+//! * Otherwise (long sequences over few heads) two passes split the work finer:
+//!   pass 1, per task `(b, kv head, key block)`: the same recompute, accumulating `dV` and `dK`
+//!   into the key block's own rows; pass 2, per task `(b, h, query block)`: the same recompute,
+//!   accumulating `dQ += dS K` (7 tile products per tile).
 //!
 //! Memory beyond inputs/outputs is O(B·Hq·T) for `lse`/`delta` plus per-thread tiles.
 
@@ -525,6 +530,62 @@ fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &
     }
 }
 
+/// One-pass task: kv head `(b, g)` with every query head of its group. Each probability tile is
+/// recomputed once and feeds `dV += P^T dO`, `dK += dS^T Q` and `dQ += dS K` (the two passes
+/// recompute it twice and take `dO V^T` twice: 5 tile products per tile instead of 7). `dqg` is
+/// the group's `[rep, T, dk]`, `dkh` / `dvh` the kv head's `[S, dk]` / `[S, dv]`. Every output
+/// element sums its terms in the two passes' order (dK, dV: query heads, then query blocks; dQ:
+/// key blocks ascending), so only the tiles' row grouping differs.
+#[inline(always)]
+fn bwd_group_task<T: Float>(
+    x: &BwdIn<T>,
+    b: usize,
+    g: usize,
+    dqg: &mut [T],
+    dkh: &mut [T],
+    dvh: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    let d = &x.d;
+    let (dk, dv) = (d.dk, d.dv);
+    dqg.fill(T::ZERO);
+    dkh.fill(T::ZERO);
+    dvh.fill(T::ZERO);
+    let kv = b * d.hk + g;
+    let mut s0 = 0;
+    while s0 < d.s {
+        let nb = (d.s - s0).min(BC);
+        let (dkb, dvb) = (&mut dkh[s0 * dk..(s0 + nb) * dk], &mut dvh[s0 * dv..(s0 + nb) * dv]);
+        let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
+        for (i, h) in (g * d.rep()..(g + 1) * d.rep()).enumerate() {
+            let bh = b * d.hq + h;
+            // rows before s0 - q_offset see none of this block's keys
+            let mut t0 = s0.saturating_sub(x.q_offset);
+            while t0 < d.t {
+                let rows = (d.t - t0).min(BR);
+                bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+                let r0 = bh * d.t + t0;
+                mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
+                mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+                let dqb = &mut dqg[(i * d.t + t0) * dk..(i * d.t + t0 + rows) * dk];
+                mm(rows, dk, nb, dqb, dk, true, &sc.dpt, BC, 1, kb, dk, 1, T::ONE);
+                t0 += rows;
+            }
+        }
+        s0 += nb;
+    }
+}
+
+/// Whether the backward runs as one pass over (batch, kv head) tasks: when there are enough of
+/// them to keep every thread busy (they cost the same, so a few per thread balance). With fewer
+/// (long sequences, few heads) the two passes split the work by blocks instead.
+fn one_pass(d: &Dims) -> bool {
+    d.dk > 0 && d.b * d.hk >= ONE_PASS_TASKS_PER_THREAD * rayon::current_num_threads()
+}
+
+/// See [`one_pass`].
+const ONE_PASS_TASKS_PER_THREAD: usize = 4;
+
 /// Backward over all heads. Writes `dq` `[B,Hq,T,dk]`, `dk` `[B,Hk,S,dk]`, `dv` `[B,Hk,S,dv]`.
 pub(crate) fn flash_bwd<T: Float>(
     d: &Dims,
@@ -540,12 +601,14 @@ pub(crate) fn flash_bwd<T: Float>(
     dk: &mut [T],
     dv: &mut [T],
 ) {
-    flash_bwd_at(simd::BEST, d, scale, q_offset, q, k, v, out, dout, lse, dq, dk, dv)
+    flash_bwd_at(simd::BEST, one_pass(d), d, scale, q_offset, q, k, v, out, dout, lse, dq, dk, dv)
 }
 
-/// `flash_bwd` with the instruction-set level capped at `isa` (see `simd::BEST`).
+/// `flash_bwd` with the instruction-set level capped at `isa` (see `simd::BEST`), in one pass
+/// over (batch, kv head) tasks or in two passes over blocks (see [`one_pass`]).
 fn flash_bwd_at<T: Float>(
     isa: u8,
+    one_pass: bool,
     d: &Dims,
     scale: f64,
     q_offset: usize,
@@ -573,7 +636,19 @@ fn flash_bwd_at<T: Float>(
         .with_min_len(256)
         .for_each(|(o, (a, b))| *o = dot(a, b));
     let x = BwdIn { d: *d, scale: T::from_f64(scale), q_offset, q, k, v, dout, lse, delta: &delta };
-    let (kv_kernel, q_kernel) = simd::pick_bwd::<T>(isa);
+    let (kv_kernel, q_kernel, group_kernel) = simd::pick_bwd::<T>(isa);
+    if one_pass && d.dk > 0 {
+        let tasks: Vec<_> = dq
+            .chunks_mut(d.rep() * d.t * d.dk)
+            .zip(dk.chunks_mut(d.s * d.dk).zip(dv.chunks_mut(d.s * d.dv)))
+            .enumerate()
+            .collect();
+        tasks.into_par_iter().for_each_init(
+            || Scratch::new(d),
+            |sc, (bg, (dqg, (dkh, dvh)))| group_kernel(&x, bg / d.hk, bg % d.hk, dqg, dkh, dvh, sc),
+        );
+        return;
+    }
     if d.dk > 0 {
         // pass 2 first or second does not matter; dq
         let rows_per = if d.t <= BR { d.t } else { BR };
@@ -613,9 +688,10 @@ mod simd {
     pub(super) type FwdFn<T> = fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
+    pub(super) type GroupFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut [T], &mut [T], &mut Scratch<T>);
 
     macro_rules! variants {
-        ($feat:literal, $fwd:ident, $kv:ident, $q:ident) => {
+        ($feat:literal, $fwd:ident, $kv:ident, $q:ident, $group:ident) => {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
             unsafe fn $fwd<T: Float>(
@@ -651,10 +727,23 @@ mod simd {
             unsafe fn $q<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &mut Scratch<T>) {
                 bwd_q_task(x, bh, t0, dqb, sc)
             }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $group<T: Float>(
+                x: &BwdIn<T>,
+                b: usize,
+                g: usize,
+                dqg: &mut [T],
+                dkh: &mut [T],
+                dvh: &mut [T],
+                sc: &mut Scratch<T>,
+            ) {
+                bwd_group_task(x, b, g, dqg, dkh, dvh, sc)
+            }
         };
     }
-    variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2);
-    variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512);
+    variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2, group_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512, group_avx512);
 
     #[cfg(target_arch = "x86_64")]
     fn has_avx512() -> bool {
@@ -683,13 +772,14 @@ mod simd {
         |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
     }
 
-    pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>) {
+    pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>, GroupFn<T>) {
         #[cfg(target_arch = "x86_64")]
         if max >= 2 && has_avx512() {
             // SAFETY: the CPU supports the enabled features (checked just above).
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx512(x, b, g, s0, nb, dkb, dvb, sc) },
                 |x, bh, t0, dqb, sc| unsafe { q_avx512(x, bh, t0, dqb, sc) },
+                |x, b, g, dqg, dkh, dvh, sc| unsafe { group_avx512(x, b, g, dqg, dkh, dvh, sc) },
             );
         }
         #[cfg(target_arch = "x86_64")]
@@ -698,11 +788,13 @@ mod simd {
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, nb, dkb, dvb, sc) },
                 |x, bh, t0, dqb, sc| unsafe { q_avx2(x, bh, t0, dqb, sc) },
+                |x, b, g, dqg, dkh, dvh, sc| unsafe { group_avx2(x, b, g, dqg, dkh, dvh, sc) },
             );
         }
         (
             |x, b, g, s0, nb, dkb, dvb, sc| bwd_kv_task(x, b, g, s0, nb, dkb, dvb, sc),
             |x, bh, t0, dqb, sc| bwd_q_task(x, bh, t0, dqb, sc),
+            |x, b, g, dqg, dkh, dvh, sc| bwd_group_task(x, b, g, dqg, dkh, dvh, sc),
         )
     }
 }
@@ -864,15 +956,56 @@ mod tests {
             let mut lse = vec![0f32; d.b * d.hq * d.t];
             flash_fwd_at(isa, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
             let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
-            flash_bwd_at(isa, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
-            [out, lse, dq, dk, dv]
+            let (mut dq1, mut dk1, mut dv1) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+            flash_bwd_at(isa, false, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
+            flash_bwd_at(isa, true, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq1, &mut dk1, &mut dv1);
+            [out, lse, dq, dk, dv, dq1, dk1, dv1]
         };
         let base = run(0);
-        for isa in 1..=simd::BEST {
-            for (a, b) in run(isa).iter().zip(&base) {
+        for isa in 0..=simd::BEST {
+            let got = run(isa);
+            // the ISA variants against the baseline one; both backward paths against its two passes
+            let pairs = got.iter().zip(&base).chain(got[5..].iter().zip(&base[2..5]));
+            for (i, (a, b)) in pairs.enumerate() {
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-                assert!(diff <= 1e-5 * scale, "isa {isa}: diff {diff} (scale {scale})");
+                assert!(diff <= 1e-5 * scale, "isa {isa}, output {i}: diff {diff} (scale {scale})");
+            }
+        }
+    }
+
+    /// The one-pass backward equals the two passes (which tests/flash.rs checks against composed
+    /// ops and finite differences) in f64 on awkward shapes, whichever the thread count picks.
+    #[test]
+    fn one_pass_backward_equals_two_passes() {
+        let cases = [
+            // (b, hq, hk, t, s, dk, dv, q_offset)
+            (2, 6, 2, 77, 77, 16, 32, 0),     // GQA 3, T not a multiple of the tile
+            (1, 4, 1, 300, 300, 8, 16, 0),    // MQA, three query and key tiles, the last partial
+            (1, 2, 1, 150, 290, 16, 32, 140), // cache offset not aligned to tiles, T > tile
+            (3, 2, 2, 37, 100, 5, 7, 63),     // odd head dims, T < S
+            (2, 4, 2, 1, 70, 8, 16, 69),      // one row against a cache
+            (1, 2, 2, 3, 9, 3, 5, 6),         // few rows
+        ];
+        for (b, hq, hk, t, s, dk, dv, off) in cases {
+            let d = Dims { b, hq, hk, t, s, dk, dv };
+            let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
+            let q = gen(b * hq * t * dk, 0.1);
+            let k = gen(b * hk * s * dk, 0.2);
+            let v = gen(b * hk * s * dv, 0.3);
+            let g = gen(b * hq * t * dv, 0.4);
+            let mut out = vec![0f64; g.len()];
+            let mut lse = vec![0f64; b * hq * t];
+            flash_fwd(&d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            let grads = |one: bool| {
+                let (mut dq, mut dk, mut dv) = (vec![0f64; q.len()], vec![0f64; k.len()], vec![0f64; v.len()]);
+                flash_bwd_at(simd::BEST, one, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
+                [dq, dk, dv]
+            };
+            for (name, (a, w)) in ["dq", "dk", "dv"].iter().zip(grads(true).iter().zip(&grads(false))) {
+                let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+                let diff = a.iter().zip(w).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+                assert!(diff <= 1e-13 * scale, "{:?} offset {off}: {name} diff {diff} (scale {scale})", d);
             }
         }
     }

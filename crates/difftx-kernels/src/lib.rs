@@ -15,7 +15,8 @@
 //! * [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, loss and gradient in
 //!   one pass each.
 //! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ; [`diff_combine_pairs`] the same read
-//!   straight from one attention output that holds both maps of every pair (no head split).
+//!   straight from one attention output that holds both maps of every pair (no head split);
+//!   [`pair_values`] every head's value as its pair's two value heads side by side.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16), the
@@ -36,6 +37,7 @@ pub mod decode;
 mod diff_combine;
 mod flash;
 mod float;
+mod pair_values;
 mod rms_norm;
 mod rope;
 mod softmax;
@@ -45,6 +47,7 @@ pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backe
 pub use cross_entropy::cross_entropy;
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;
+pub use pair_values::pair_values;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use softmax::softmax_last_dim;

@@ -155,3 +155,75 @@ fn pairs_reject_odd_heads_and_bad_lambda() {
     let l64 = Tensor::new(&[0.5f64], &Device::Cpu).unwrap();
     assert!(difftx_kernels::diff_combine_pairs(&x, &l64, difftx_kernels::PairLayout::Halves).is_err());
 }
+
+/// pair_values composed from candle ops: the pair's two value heads side by side, one per head
+/// of the pair (`[B, H, S, d]` -> `[B, H, S, 2d]`).
+fn pair_values_composed(v: &Tensor, layout: difftx_kernels::PairLayout) -> Tensor {
+    let (a, b) = split(v, layout);
+    let pv = Tensor::cat(&[a, b], 3).unwrap(); // [B, P, S, 2d]
+    let (bs, p, s, w) = pv.dims4().unwrap();
+    // head i's pair: i / 2 (interleaved) or i % P (halves)
+    let per_head: Vec<Tensor> = (0..2 * p)
+        .map(|i| {
+            let j = match layout {
+                difftx_kernels::PairLayout::Interleaved => i / 2,
+                difftx_kernels::PairLayout::Halves => i % p,
+            };
+            pv.narrow(1, j, 1).unwrap()
+        })
+        .collect();
+    let out = Tensor::cat(&per_head, 1).unwrap();
+    assert_eq!(out.dims(), &[bs, 2 * p, s, w]);
+    out
+}
+
+/// (B, H, S, d): one pair of one row; odd sizes; a head larger than rayon's smallest split.
+const VALUE_SHAPES: [(usize, usize, usize, usize); 4] = [(1, 2, 1, 1), (2, 6, 5, 3), (3, 4, 33, 32), (1, 8, 300, 7)];
+
+#[test]
+fn pair_values_match_composed_ops_forward_and_backward() {
+    for dt in [DType::F32, DType::F64] {
+        for layout in LAYOUTS {
+            for (i, (b, h, s, d)) in VALUE_SHAPES.into_iter().enumerate() {
+                let v = Var::from_tensor(&rand_t(&[b, h, s, d], 90 + i as u64, 1.0, dt).unwrap()).unwrap();
+                let of = difftx_kernels::pair_values(v.as_tensor(), layout).unwrap();
+                let or = pair_values_composed(v.as_tensor(), layout);
+                let what = format!("{dt:?} {layout:?} {:?}", v.dims());
+                assert_eq!(of.dims(), or.dims(), "{what}");
+                // a copy: exactly equal
+                assert_eq!(rel_err(&of, &or), 0.0, "{what}: forward");
+                let w = rand_t(or.dims(), 95 + i as u64, 1.0, dt).unwrap();
+                let gf = (&of * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let gr = (&or * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let tol = if dt == DType::F64 { 1e-14 } else { 1e-6 };
+                let e = rel_err(gf.get(v.as_tensor()).unwrap(), gr.get(v.as_tensor()).unwrap());
+                assert!(e < tol, "{what}: dv {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn pair_values_backward_matches_finite_differences_f64() {
+    for layout in LAYOUTS {
+        let v0 = rand_t(&[2, 4, 3, 5], 17, 1.0, DType::F64).unwrap();
+        let w = rand_t(&[2, 4, 3, 10], 18, 1.0, DType::F64).unwrap();
+        let loss = |v: &Tensor| -> Result<f64> {
+            (difftx_kernels::pair_values(v, layout)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+        };
+        let v = Var::from_tensor(&v0).unwrap();
+        let o = difftx_kernels::pair_values(v.as_tensor(), layout).unwrap();
+        let grads = (o.sqr().unwrap() * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let nv = finite_diff(&v0, loss, 1e-6).unwrap();
+        assert!(max_rel_vec(&flat(grads.get(v.as_tensor()).unwrap()), &nv) < 1e-7, "{layout:?}: dv");
+    }
+}
+
+#[test]
+fn pair_values_reject_odd_heads_and_other_dtypes() {
+    let v = rand_t(&[1, 3, 2, 2], 1, 1.0, DType::F32).unwrap();
+    let e = difftx_kernels::pair_values(&v, difftx_kernels::PairLayout::Halves).unwrap_err();
+    assert!(e.to_string().contains("pairs"), "{e}");
+    let v = rand_t(&[1, 2, 2, 2], 1, 1.0, DType::F32).unwrap().to_dtype(DType::BF16).unwrap();
+    assert!(difftx_kernels::pair_values(&v, difftx_kernels::PairLayout::Interleaved).is_err());
+}

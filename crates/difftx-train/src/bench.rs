@@ -10,8 +10,9 @@
 //! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
-//!   greedy — the library's own `generate` (the fused decoder), the tensor path beside it, and
-//!   the fused decoder stepping `decode_batches` sequences at once.
+//!   greedy — the fused decoder (what `generate` runs), the tensor path beside it, and the fused
+//!   decoder stepping `decode_batches` sequences at once. The families' fused decoders are timed
+//!   side by side too, one step of each in turn.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
 //!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
@@ -28,9 +29,9 @@
 use crate::optim::{grad_norm, AdamW, AdamWParams};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use difftx_core::generate::{generate, generate_fused, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::generate::{generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
-use difftx_core::{Decoder, WeightPrecision};
+use difftx_core::{Decoder, SequenceCache, WeightPrecision};
 use difftx_core::{Family, Kernels, ModelConfig, Precision};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Map, Value};
@@ -289,74 +290,122 @@ fn bench_train_interleaved(opts: &BenchOptions, runs: &mut [TrainBench], steps: 
     Ok(runs.iter().map(|r| r.report(opts)).collect())
 }
 
-/// Decode throughput, greedy: batch 1 through `generate` (the fused decoder, prompt included)
-/// and through the tensor path (`Model::forward` with a KV cache) side by side, then the fused
-/// decoder stepping several sequences at once.
-fn bench_decode(opts: &BenchOptions, family: Family) -> Result<Value> {
-    let cfg = bench_config(opts, family)?;
-    let (model, _) = build(&cfg, opts.seed)?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed + 1);
-    let prompt = random_ids(&mut rng, opts.prompt_tokens.max(1), cfg.vocab_size);
-    let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
-    let timed = |fused: bool| -> Result<(Vec<u32>, f64)> {
-        let run = |n| -> Result<Vec<u32>> {
-            if fused {
-                generate(&model, &prompt, n, &mut greedy()?, |_| Ok(()))
-            } else {
-                generate_with_forward(&model, &prompt, n, &mut greedy()?, |_| Ok(()))
+/// Decode steps each decoder takes in a row before the next one's turn in [`decode_interleaved`]:
+/// short enough that the host's swings fall on every family alike, long enough that the few
+/// MiB of weights a turn brings back into the caches weigh little against the block (the
+/// families' models together exceed this machine's share of L3: stepping them one token each in
+/// turn cut every family's tokens/s by about a third, by half with bf16 weights, on the AMD EPYC).
+const DECODE_BLOCK: usize = 64;
+
+/// Greedy decoding with every decoder side by side, [`DECODE_BLOCK`] steps of each in turn (as
+/// training is timed, one step of each), so that a shared host's swings fall on all of them alike. Each decoder prefills
+/// `seqs` sequences with its prompt, then steps them together until each has `new_tokens`
+/// tokens. Returns, per decoder, the tokens of its first sequence and the seconds of its own work
+/// (prefill included when `time_prefill`).
+fn decode_interleaved(
+    decoders: &[Decoder],
+    prompts: &[Vec<u32>],
+    seqs: usize,
+    new_tokens: usize,
+    time_prefill: bool,
+) -> Result<Vec<(Vec<u32>, f64)>> {
+    let mut sampler = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() })?;
+    // per decoder: its sequences, their next tokens, the first sequence's output, seconds
+    let mut state = Vec::with_capacity(decoders.len());
+    for (decoder, prompt) in decoders.iter().zip(prompts) {
+        let t0 = Instant::now();
+        let mut caches: Vec<SequenceCache> = (0..seqs).map(|_| decoder.new_sequence()).collect();
+        let mut next = Vec::with_capacity(seqs);
+        for cache in caches.iter_mut() {
+            next.push(sampler.sample(&decoder.prefill(cache, prompt)?));
+        }
+        let secs = if time_prefill { t0.elapsed().as_secs_f64() } else { 0.0 };
+        let out = vec![next[0]];
+        state.push((caches, next, out, secs));
+    }
+    let mut done = 1;
+    while done < new_tokens {
+        let block = DECODE_BLOCK.min(new_tokens - done);
+        for (decoder, (caches, next, out, secs)) in decoders.iter().zip(state.iter_mut()) {
+            let t0 = Instant::now();
+            for _ in 0..block {
+                let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
+                let logits = decoder.step(&mut refs, next)?;
+                let vocab = logits.len() / seqs;
+                *next = logits.chunks_exact(vocab).map(|row| sampler.sample(row)).collect();
+                out.push(next[0]);
             }
-        };
-        run(4.min(opts.decode_tokens))?; // warms the allocator and caches
-        let t0 = Instant::now();
-        let out = run(opts.decode_tokens)?;
-        Ok((out, t0.elapsed().as_secs_f64()))
-    };
-    let (out, secs) = timed(true)?;
-    let (out_forward, secs_forward) = timed(false)?;
-    // bf16 and int8 weights through the same fused decoder (tokens may differ from f32).
-    let mut reduced = Map::new();
-    for (name, precision) in [("bf16", WeightPrecision::Bf16), ("int8", WeightPrecision::Int8)] {
-        let decoder = Decoder::with_precision(&model, precision)?;
-        generate_fused(&decoder, &prompt, 4.min(opts.decode_tokens), &mut greedy()?, |_| Ok(()))?;
-        let t0 = Instant::now();
-        let n = generate_fused(&decoder, &prompt, opts.decode_tokens, &mut greedy()?, |_| Ok(()))?.len();
-        reduced.insert(name.into(), json!((n as f64 / t0.elapsed().as_secs_f64() * 10.0).round() / 10.0));
+            *secs += t0.elapsed().as_secs_f64();
+        }
+        done += block;
     }
-    if out.len() != opts.decode_tokens {
-        bail!("decode produced {} tokens, expected {}", out.len(), opts.decode_tokens);
+    Ok(state.into_iter().map(|(_, _, out, secs)| (out, secs)).collect())
+}
+
+/// Decode throughput, greedy, every family side by side (see [`decode_interleaved`]): batch 1
+/// through the fused decoder (prompt included), the same with bf16 / int8 weights, and several
+/// sequences stepped at once; the tensor path (`Model::forward` with a KV cache) is timed per
+/// family after them, and must choose the same tokens as the fused decoder.
+fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
+    let mut models = Vec::new();
+    let mut prompts = Vec::new();
+    for &family in &opts.families {
+        let cfg = bench_config(opts, family)?;
+        let (model, _) = build(&cfg, opts.seed)?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed + 1);
+        prompts.push(random_ids(&mut rng, opts.prompt_tokens.max(1), cfg.vocab_size));
+        models.push(model);
     }
-    if out != out_forward {
-        bail!("the fused decoder and the forward path chose different greedy tokens ({family})");
-    }
+    let n = opts.decode_tokens;
     let per_sec = |n: usize, secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
-    let decoder = Decoder::new(&model)?;
-    let mut batched = Map::new();
-    for &b in &opts.decode_batches {
-        let mut seqs: Vec<_> = (0..b).map(|_| decoder.new_sequence()).collect();
-        let mut tokens = Vec::with_capacity(b);
-        for seq in seqs.iter_mut() {
-            let logits = decoder.prefill(seq, &prompt)?;
-            tokens.push(greedy()?.sample(&logits));
+    let timed = |precision: WeightPrecision| -> Result<Vec<(Vec<u32>, f64)>> {
+        let decoders = models.iter().map(|m| Decoder::with_precision(m, precision)).collect::<Result<Vec<_>, _>>()?;
+        decode_interleaved(&decoders, &prompts, 1, 4.min(n), true)?; // warms the allocator and caches
+        decode_interleaved(&decoders, &prompts, 1, n, true)
+    };
+    let f32_runs = timed(WeightPrecision::F32)?;
+    let mut reduced: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
+    // bf16 and int8 weights through the same fused decoder (tokens may differ from f32).
+    for (name, precision) in [("bf16", WeightPrecision::Bf16), ("int8", WeightPrecision::Int8)] {
+        for (into, (out, secs)) in reduced.iter_mut().zip(timed(precision)?) {
+            into.insert(name.into(), json!(per_sec(out.len(), secs)));
         }
-        let t0 = Instant::now();
-        for _ in 0..opts.decode_tokens.saturating_sub(1) {
-            let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let logits = decoder.step(&mut refs, &tokens)?;
-            let mut sampler = greedy()?;
-            tokens = logits.chunks_exact(cfg.vocab_size).map(|row| sampler.sample(row)).collect();
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        batched.insert(b.to_string(), json!(per_sec(b * opts.decode_tokens.saturating_sub(1), secs)));
     }
-    Ok(json!({
-        "tokens_per_sec": per_sec(out.len(), secs),
-        "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
-        "tokens_per_sec_by_weight_precision": reduced,
-        "batched_tokens_per_sec": batched,
-        "new_tokens": out.len(), "prompt_tokens": prompt.len(), "secs": (secs * 1e3).round() / 1e3,
-        "includes_prefill": true,
-        "notes": "tokens_per_sec: generate (fused decoder, f32); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
-    }))
+    let mut batched: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
+    let decoders = models.iter().map(Decoder::new).collect::<Result<Vec<_>, _>>()?;
+    for &b in &opts.decode_batches {
+        for (into, (_, secs)) in batched.iter_mut().zip(decode_interleaved(&decoders, &prompts, b, n, false)?) {
+            into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), secs)));
+        }
+    }
+    let mut report = Map::new();
+    for (i, &family) in opts.families.iter().enumerate() {
+        let (out, secs) = &f32_runs[i];
+        let greedy = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
+        generate_with_forward(&models[i], &prompts[i], 4.min(n), &mut greedy?, |_| Ok(()))?;
+        let t0 = Instant::now();
+        let greedy = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
+        let out_forward = generate_with_forward(&models[i], &prompts[i], n, &mut greedy?, |_| Ok(()))?;
+        let secs_forward = t0.elapsed().as_secs_f64();
+        if out.len() != n {
+            bail!("decode produced {} tokens, expected {n}", out.len());
+        }
+        if *out != out_forward {
+            bail!("the fused decoder and the forward path chose different greedy tokens ({family})");
+        }
+        let r = json!({
+            "tokens_per_sec": per_sec(out.len(), *secs),
+            "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
+            "tokens_per_sec_by_weight_precision": reduced[i],
+            "batched_tokens_per_sec": batched[i],
+            "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
+            "includes_prefill": true,
+            "notes": "families timed side by side, one decode step of each in turn (the forward path: one family after the other); tokens_per_sec: the fused decoder, f32, prompt included; tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
+        });
+        eprintln!("bench: decode {family}: {r}");
+        report.insert(family.as_str().into(), r);
+    }
+    Ok(report)
 }
 
 /// The CPU's model name and the instruction-set extensions the kernels care about.
@@ -485,13 +534,10 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         eprintln!("bench: {r}");
         reference.insert(f.as_str().into(), r);
     }
-    if opts.decode_tokens > 0 {
-        for &f in &opts.families {
-            eprintln!("bench: decoding {f} ...");
-            let r = bench_decode(opts, f)?;
-            eprintln!("bench: {r}");
-            decode.insert(f.as_str().into(), r);
-        }
+    if opts.decode_tokens > 0 && !opts.families.is_empty() {
+        let names: Vec<&str> = opts.families.iter().map(|f| f.as_str()).collect();
+        eprintln!("bench: decoding {} side by side ...", names.join(", "));
+        decode = bench_decode(opts)?;
     }
     let mut ratios = Map::new();
     if let Some(base) = train.get("baseline") {
