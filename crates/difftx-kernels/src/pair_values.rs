@@ -6,8 +6,8 @@
 //! `h` of pair `j` at half `k` (0 when `h = a(j)`, 1 when `h = b(j)`):
 //! `dv[b, h, s] = dout[b, a(j), s, k·d..(k+1)·d] + dout[b, b(j), s, k·d..(k+1)·d]`.
 //! One parallel copy forward and one parallel sum backward, where the composition of head splits,
-//! a concatenation and a broadcast (and the zero-padding, concatenation and reduction of their
-//! backward) took six single-threaded strided passes (docs/design.md §5).
+//! a concatenation and a broadcast (and the zero padding, concatenation and reduction of their
+//! backward) ran as several single-threaded strided passes in candle (docs/design.md §5, §7.11).
 
 use crate::cpu::{storage_slice, with_slice};
 use crate::float::Float;

@@ -12,7 +12,7 @@
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
 //!   greedy — the fused decoder (what `generate` runs), the tensor path beside it, and the fused
 //!   decoder stepping `decode_batches` sequences at once. The families' fused decoders are timed
-//!   side by side too, one step of each in turn.
+//!   side by side too, a block of steps of each in turn.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
 //!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
@@ -291,17 +291,18 @@ fn bench_train_interleaved(opts: &BenchOptions, runs: &mut [TrainBench], steps: 
 }
 
 /// Decode steps each decoder takes in a row before the next one's turn in [`decode_interleaved`]:
-/// short enough that the host's swings fall on every family alike, long enough that the few
-/// MiB of weights a turn brings back into the caches weigh little against the block (the
-/// families' models together exceed this machine's share of L3: stepping them one token each in
-/// turn cut every family's tokens/s by about a third, by half with bf16 weights, on the AMD EPYC).
+/// short enough that the host's swings fall on every family alike, long enough that reloading a
+/// model's weights into the caches at the start of its turn weighs little. Three bench-s models
+/// (3 × 19.6 MB in f32) do not fit the AMD EPYC's 32 MiB L3: stepping them one token each in turn
+/// gave every family about a third fewer tokens/s (half with bf16 weights) than timing them one
+/// after the other in the same hour.
 const DECODE_BLOCK: usize = 64;
 
 /// Greedy decoding with every decoder side by side, [`DECODE_BLOCK`] steps of each in turn (as
-/// training is timed, one step of each), so that a shared host's swings fall on all of them alike. Each decoder prefills
-/// `seqs` sequences with its prompt, then steps them together until each has `new_tokens`
-/// tokens. Returns, per decoder, the tokens of its first sequence and the seconds of its own work
-/// (prefill included when `time_prefill`).
+/// training is timed one step of each), so that a shared host's swings fall on all of them alike.
+/// Each decoder prefills `seqs` sequences with its prompt, then steps them together until each
+/// has `new_tokens` tokens. Returns, per decoder, the tokens of its first sequence and the seconds
+/// of its own work (prefill included when `time_prefill`).
 fn decode_interleaved(
     decoders: &[Decoder],
     prompts: &[Vec<u32>],
@@ -400,7 +401,7 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             "batched_tokens_per_sec": batched[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
-            "notes": "families timed side by side, one decode step of each in turn (the forward path: one family after the other); tokens_per_sec: the fused decoder, f32, prompt included; tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)",
+            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); tokens_per_sec: the fused decoder, f32, prompt included; tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)"),
         });
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);
