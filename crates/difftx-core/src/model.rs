@@ -467,13 +467,13 @@ impl Attention {
             // O = softmax(Q Kᵀ/√d + mask) V                                   [B, H, T, d]
             AttnKind::Baseline => self.attend(q, k, v, step),
             AttnKind::DiffV1(diff) if self.both_maps_in_one_pass(step) => {
-                // The same equations as below, with both maps of every pair in one fused attention
-                // over all H query heads: head h reads the kv head flash's GQA gives it, whose
-                // value is its pair's [v1, v2]; the heads are never split (docs/design.md §5).
-                let v = ops::pair_values_per_head(v, self.pairing, step.opts.kernels)?; // [B, Hkv, S, 2d]
-                let o = ops::attention(q, k, &v, self.scale(), step.offset, step.opts.kernels)?; // [B, H, T, 2d]
+                // The same equations as below, with both maps of every pair in one attention over
+                // all H query heads, unsplit: query pair (a, b) reads kv pair (a', b') and its
+                // value [v1, v2]; the fused kernel's backward shares dO·Vᵀ and dV between the
+                // two maps (docs/design.md §5).
                 let lambda = diff.lambda()?;
-                let o = ops::diff_combine_pairs(&o, &lambda, self.pairing, step.opts.kernels)?; // [B, H/2, T, 2d]
+                let (scale, kernels) = (self.scale(), step.opts.kernels);
+                let o = ops::diff_attention(q, k, v, &lambda, self.pairing, scale, step.offset, kernels)?; // [B, H/2, T, 2d]
                 diff.norm_and_scale(&o, step.opts.kernels)
             }
             AttnKind::DiffV1(diff) => {

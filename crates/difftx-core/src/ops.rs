@@ -147,6 +147,32 @@ pub fn pair_values_per_head(v: &Tensor, pairing: HeadPairing, kernels: Kernels) 
     }
 }
 
+/// diff-v1's attention over unsplit heads, z_j = A_a V_p − λ·A_b V_p for every query pair
+/// j = (a, b), V_p the value [v_a', v_b'] of the kv pair its heads read: q [B, H, T, d],
+/// k, v [B, Hkv, S, d], λ one element -> [B, H/2, T, 2d]. The two heads of a query pair must read
+/// the two heads of one kv pair (pairs (j, j + H/2) at any GQA ratio, (2j, 2j + 1) without GQA;
+/// docs/design.md §5). The fused kernel shares dO·Vᵀ and dV between a pair's maps in its backward.
+#[allow(clippy::too_many_arguments)]
+pub fn diff_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lambda: &Tensor,
+    pairing: HeadPairing,
+    scale: f64,
+    q_offset: usize,
+    kernels: Kernels,
+) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => difftx_kernels::diff_attention(q, k, v, lambda, pair_layout(pairing), scale, q_offset),
+        Kernels::Reference => {
+            let v = pair_values_per_head(v, pairing, kernels)?; // [B, Hkv, S, 2d]
+            let o = attention(q, k, &v, scale, q_offset, kernels)?; // [B, H, T, 2d]
+            diff_combine_pairs(&o, lambda, pairing, kernels)
+        }
+    }
+}
+
 fn pair_layout(pairing: HeadPairing) -> difftx_kernels::PairLayout {
     match pairing {
         HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,

@@ -181,11 +181,11 @@ pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, layout: PairLayout) -> Re
     x.contiguous()?.apply_op2(&lambda.contiguous()?, op)?.reshape((b, p, t, w))
 }
 
-struct DiffCombinePairs {
-    outer: usize,
-    inner: usize,
+pub(crate) struct DiffCombinePairs {
+    pub(crate) outer: usize,
+    pub(crate) inner: usize,
     /// w for a λ per position (vector of w elements), 0 for one scalar λ.
-    width: usize,
+    pub(crate) width: usize,
 }
 
 impl DiffCombinePairs {
@@ -197,7 +197,7 @@ impl DiffCombinePairs {
         }
     }
 
-    fn fwd<T: Float>(&self, x: &[T], lam: &[T], z: &mut [T]) {
+    pub(crate) fn fwd<T: Float>(&self, x: &[T], lam: &[T], z: &mut [T]) {
         z.par_chunks_mut(self.inner).zip(x.par_chunks(2 * self.inner)).enumerate().for_each(|(o, (zr, xr))| {
             let (a, b) = xr.split_at(self.inner);
             let step = if self.width == 0 { self.inner } else { self.width };
@@ -211,7 +211,7 @@ impl DiffCombinePairs {
     }
 
     /// Writes dx and dλ (one element, or one per position).
-    fn bwd<T: Float>(&self, x: &[T], lam: &[T], dz: &[T], dx: &mut [T], dl: &mut [T]) {
+    pub(crate) fn bwd<T: Float>(&self, x: &[T], lam: &[T], dz: &[T], dx: &mut [T], dl: &mut [T]) {
         let step = if self.width == 0 { self.inner } else { self.width };
         // Per row: the partial sums Σ dz·x[o, 1] of each λ vector of the row.
         let parts: Vec<Vec<T>> = dx

@@ -43,9 +43,9 @@ use rayon::prelude::*;
 use std::sync::Mutex;
 
 /// Query rows per forward / dq task.
-const BR: usize = 128;
+pub(crate) const BR: usize = 128;
 /// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls).
-const BC: usize = 128;
+pub(crate) const BC: usize = 128;
 /// Below this many rows per task the forward uses dot products instead of gemm tiles
 /// (measured 2-3x faster for T = 1 decode).
 const DOT_ROWS: usize = 4;
@@ -67,17 +67,17 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset:
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
-    b: usize,
-    hq: usize,
-    hk: usize,
-    t: usize,
-    s: usize,
-    dk: usize,
-    dv: usize,
+    pub(crate) b: usize,
+    pub(crate) hq: usize,
+    pub(crate) hk: usize,
+    pub(crate) t: usize,
+    pub(crate) s: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
 }
 
 impl Dims {
-    fn rep(&self) -> usize {
+    pub(crate) fn rep(&self) -> usize {
         self.hq / self.hk
     }
 }
@@ -142,7 +142,7 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
 /// `ldc`; `A` is `m x k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k x n` with
 /// `(p, j)` at `b[p * b_rs + j * b_cs]`.
 #[inline(always)]
-fn mm<T: Float>(
+pub(crate) fn mm<T: Float>(
     m: usize,
     n: usize,
     k: usize,
@@ -584,7 +584,7 @@ fn one_pass(d: &Dims) -> bool {
 }
 
 /// See [`one_pass`].
-const ONE_PASS_TASKS_PER_THREAD: usize = 4;
+pub(crate) const ONE_PASS_TASKS_PER_THREAD: usize = 4;
 
 /// Backward over all heads. Writes `dq` `[B,Hq,T,dk]`, `dk` `[B,Hk,S,dk]`, `dv` `[B,Hk,S,dv]`.
 pub(crate) fn flash_bwd<T: Float>(

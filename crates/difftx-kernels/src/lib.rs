@@ -16,7 +16,9 @@
 //!   one pass each.
 //! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ; [`diff_combine_pairs`] the same read
 //!   straight from one attention output that holds both maps of every pair (no head split);
-//!   [`pair_values`] every head's value as its pair's two value heads side by side.
+//!   [`pair_values`] every head's value as its pair's two value heads side by side;
+//!   [`diff_attention`] all three in one op whose backward shares `dO·Vᵀ` and `dV` between the
+//!   two maps of a pair.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16), the
@@ -34,6 +36,7 @@ pub mod bf16_matmul;
 mod cpu;
 mod cross_entropy;
 pub mod decode;
+mod diff_attention;
 mod diff_combine;
 mod flash;
 mod float;
@@ -45,6 +48,7 @@ mod swiglu;
 
 pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backend};
 pub use cross_entropy::cross_entropy;
+pub use diff_attention::diff_attention;
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;
 pub use pair_values::pair_values;

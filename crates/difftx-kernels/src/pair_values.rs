@@ -30,17 +30,17 @@ pub fn pair_values(v: &Tensor, layout: PairLayout) -> Result<Tensor> {
     v.contiguous()?.apply_op1(PairValues { b, h, s, d, layout })
 }
 
-struct PairValues {
-    b: usize,
-    h: usize,
-    s: usize,
-    d: usize,
-    layout: PairLayout,
+pub(crate) struct PairValues {
+    pub(crate) b: usize,
+    pub(crate) h: usize,
+    pub(crate) s: usize,
+    pub(crate) d: usize,
+    pub(crate) layout: PairLayout,
 }
 
 impl PairValues {
     /// The pair `(a, b)` head `i` belongs to.
-    fn pair_of(&self, i: usize) -> (usize, usize) {
+    pub(crate) fn pair_of(&self, i: usize) -> (usize, usize) {
         let half = self.h / 2;
         match self.layout {
             PairLayout::Interleaved => (i & !1, i | 1),
@@ -48,7 +48,7 @@ impl PairValues {
         }
     }
 
-    fn fwd<T: Float>(&self, v: &[T], out: &mut [T]) {
+    pub(crate) fn fwd<T: Float>(&self, v: &[T], out: &mut [T]) {
         let (s, d) = (self.s, self.d);
         out.par_chunks_mut(s * 2 * d).enumerate().for_each(|(bi, o)| {
             let (b, i) = (bi / self.h, bi % self.h);
@@ -62,7 +62,7 @@ impl PairValues {
         });
     }
 
-    fn bwd<T: Float>(&self, dout: &[T], dv: &mut [T]) {
+    pub(crate) fn bwd<T: Float>(&self, dout: &[T], dv: &mut [T]) {
         let (s, d) = (self.s, self.d);
         dv.par_chunks_mut(s * d).enumerate().for_each(|(bh, g)| {
             let (b, h) = (bh / self.h, bh % self.h);

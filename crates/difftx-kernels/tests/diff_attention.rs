@@ -1,0 +1,131 @@
+//! diff_attention (diff-v1's attention with the combination inside) against the composition of
+//! pair_values, flash_attention and diff_combine_pairs, and against f64 finite differences.
+
+mod common;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::{finite_diff, flat, max_rel_vec, rand_t, rel_err};
+use difftx_kernels::PairLayout;
+
+/// The composition the op replaces.
+fn composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    l: &Tensor,
+    layout: PairLayout,
+    scale: f64,
+    off: usize,
+) -> Result<Tensor> {
+    let v2 = difftx_kernels::pair_values(v, layout)?;
+    let o = difftx_kernels::flash_attention(q, k, &v2, scale, off)?;
+    difftx_kernels::diff_combine_pairs(&o, l, layout)
+}
+
+/// (B, Hq, Hk, T, S, dk, dv, q_offset, layout)
+type Case = (usize, usize, usize, usize, usize, usize, usize, usize, PairLayout);
+
+const CASES: [Case; 7] = [
+    (2, 4, 4, 77, 77, 8, 8, 0, PairLayout::Interleaved), // T not a multiple of the tile
+    (1, 8, 4, 150, 150, 16, 16, 0, PairLayout::Halves),  // GQA 2, two key tiles
+    (1, 12, 4, 65, 65, 8, 12, 0, PairLayout::Halves),    // GQA 3, dv != dk
+    (2, 4, 2, 37, 100, 5, 7, 63, PairLayout::Halves),    // KV offset, odd head dims
+    (1, 4, 4, 1, 70, 8, 8, 69, PairLayout::Interleaved), // one row against a cache
+    (1, 2, 2, 140, 290, 4, 4, 150, PairLayout::Interleaved), // offset not aligned to tiles
+    (8, 4, 4, 40, 40, 8, 8, 0, PairLayout::Interleaved), // many (batch, kv pair) tasks: shared maps
+];
+
+#[test]
+fn matches_the_composition_forward_and_backward() -> Result<()> {
+    for (i, (b, hq, hk, t, s, dk, dv, off, layout)) in CASES.into_iter().enumerate() {
+        let seed = 10 * i as u64;
+        let scale = 1.0 / (dk as f64).sqrt();
+        for dt in [DType::F64, DType::F32] {
+            let q = Var::from_tensor(&rand_t(&[b, hq, t, dk], seed, 1.0, dt)?)?;
+            let k = Var::from_tensor(&rand_t(&[b, hk, s, dk], seed + 1, 1.0, dt)?)?;
+            let v = Var::from_tensor(&rand_t(&[b, hk, s, dv], seed + 2, 1.0, dt)?)?;
+            let l = Var::from_tensor(&Tensor::new(&[0.6f64 - 0.1 * i as f64], &Device::Cpu)?.to_dtype(dt)?)?;
+            let w = rand_t(&[b, hq / 2, t, 2 * dv], seed + 3, 1.0, dt)?;
+            let what = format!("{dt:?} case {i} {layout:?}");
+            let zf = difftx_kernels::diff_attention(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                l.as_tensor(),
+                layout,
+                scale,
+                off,
+            )?;
+            let zr = composed(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), layout, scale, off)?;
+            assert_eq!(zf.dims(), zr.dims(), "{what}");
+            let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
+            let e = rel_err(&zf, &zr);
+            assert!(e < tol, "{what}: forward {e}");
+            let gf = (&zf * &w)?.sum_all()?.backward()?;
+            let gr = (&zr * &w)?.sum_all()?.backward()?;
+            for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("lambda", &l)] {
+                let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
+                assert!(e < tol, "{what}: d{name} {e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn backward_matches_finite_differences_f64() -> Result<()> {
+    for layout in [PairLayout::Interleaved, PairLayout::Halves] {
+        let (b, hq, hk, t, dk, dv, off) = (1, 4, 2, 6, 3, 2, 2);
+        let (hk, s) = if layout == PairLayout::Interleaved { (hq, t + off) } else { (hk, t + off) };
+        let q0 = rand_t(&[b, hq, t, dk], 31, 1.0, DType::F64)?;
+        let k0 = rand_t(&[b, hk, s, dk], 32, 1.0, DType::F64)?;
+        let v0 = rand_t(&[b, hk, s, dv], 33, 1.0, DType::F64)?;
+        let l0 = Tensor::new(&[0.45f64], &Device::Cpu)?;
+        let w = rand_t(&[b, hq / 2, t, 2 * dv], 34, 1.0, DType::F64)?;
+        let loss = |q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor| -> Result<f64> {
+            (difftx_kernels::diff_attention(q, k, v, l, layout, 0.5, off)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+        };
+        let (q, k, v, l) =
+            (Var::from_tensor(&q0)?, Var::from_tensor(&k0)?, Var::from_tensor(&v0)?, Var::from_tensor(&l0)?);
+        let z = difftx_kernels::diff_attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            l.as_tensor(),
+            layout,
+            0.5,
+            off,
+        )?;
+        let g = (z.sqr()? * &w)?.sum_all()?.backward()?;
+        let checks = [
+            ("q", flat(g.get(q.as_tensor()).unwrap()), finite_diff(&q0, |x| loss(x, &k0, &v0, &l0), 1e-6)?),
+            ("k", flat(g.get(k.as_tensor()).unwrap()), finite_diff(&k0, |x| loss(&q0, x, &v0, &l0), 1e-6)?),
+            ("v", flat(g.get(v.as_tensor()).unwrap()), finite_diff(&v0, |x| loss(&q0, &k0, x, &l0), 1e-6)?),
+            ("lambda", flat(g.get(l.as_tensor()).unwrap()), finite_diff(&l0, |x| loss(&q0, &k0, &v0, x), 1e-6)?),
+        ];
+        for (name, an, nu) in checks {
+            let e = max_rel_vec(&an, &nu);
+            assert!(e < 1e-6, "{layout:?}: d{name} {e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let q = rand_t(&[1, 4, 3, 4], 1, 1.0, DType::F32)?;
+    let k = rand_t(&[1, 2, 3, 4], 2, 1.0, DType::F32)?;
+    let v = rand_t(&[1, 2, 3, 4], 3, 1.0, DType::F32)?;
+    let l = Tensor::new(&[0.5f32], &Device::Cpu)?;
+    // interleaved pairs with GQA: query pair (0, 1) reads kv head 0 twice
+    let e = difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Interleaved, 0.5, 0).unwrap_err();
+    assert!(e.to_string().contains("not a pair"), "{e}");
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Halves, 0.5, 0).is_ok());
+    let odd = rand_t(&[1, 3, 3, 4], 4, 1.0, DType::F32)?;
+    assert!(difftx_kernels::diff_attention(&odd, &odd, &odd.narrow(3, 0, 2)?, &l, PairLayout::Halves, 0.5, 0).is_err());
+    let two = Tensor::new(&[0.5f32, 0.1], &Device::Cpu)?;
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &two, PairLayout::Halves, 0.5, 0).is_err());
+    let l64 = Tensor::new(&[0.5f64], &Device::Cpu)?;
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l64, PairLayout::Halves, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, PairLayout::Halves, 0.5, 0).is_err());
+    Ok(())
+}
