@@ -316,7 +316,7 @@ mod simd {
 /// Whether the backward shares the maps' work in (batch, kv pair) tasks (enough of them to keep
 /// every thread busy) rather than running the composition's backward.
 fn shared_maps(d: &Dims) -> bool {
-    d.dk > 0 && d.t > 0 && d.b * d.hk / 2 >= ONE_PASS_TASKS_PER_THREAD * rayon::current_num_threads()
+    d.dk > 0 && d.dv > 0 && d.t > 0 && d.b * d.hk / 2 >= ONE_PASS_TASKS_PER_THREAD * rayon::current_num_threads()
 }
 
 impl DiffAttn {

@@ -198,6 +198,9 @@ impl DiffCombinePairs {
     }
 
     pub(crate) fn fwd<T: Float>(&self, x: &[T], lam: &[T], z: &mut [T]) {
+        if self.inner == 0 {
+            return; // no positions (T = 0) or zero-width heads: nothing to combine
+        }
         z.par_chunks_mut(self.inner).zip(x.par_chunks(2 * self.inner)).enumerate().for_each(|(o, (zr, xr))| {
             let (a, b) = xr.split_at(self.inner);
             let step = if self.width == 0 { self.inner } else { self.width };
@@ -212,6 +215,9 @@ impl DiffCombinePairs {
 
     /// Writes dx and dλ (one element, or one per position).
     pub(crate) fn bwd<T: Float>(&self, x: &[T], lam: &[T], dz: &[T], dx: &mut [T], dl: &mut [T]) {
+        if self.inner == 0 {
+            return; // dx and dλ stay zero
+        }
         let step = if self.width == 0 { self.inner } else { self.width };
         // Per row: the partial sums Σ dz·x[o, 1] of each λ vector of the row.
         let parts: Vec<Vec<T>> = dx

@@ -49,6 +49,9 @@ impl PairValues {
     }
 
     pub(crate) fn fwd<T: Float>(&self, v: &[T], out: &mut [T]) {
+        if self.s * self.d == 0 {
+            return; // empty heads: nothing to copy
+        }
         let (s, d) = (self.s, self.d);
         out.par_chunks_mut(s * 2 * d).enumerate().for_each(|(bi, o)| {
             let (b, i) = (bi / self.h, bi % self.h);
@@ -63,6 +66,9 @@ impl PairValues {
     }
 
     pub(crate) fn bwd<T: Float>(&self, dout: &[T], dv: &mut [T]) {
+        if self.s * self.d == 0 {
+            return; // empty heads: nothing to copy
+        }
         let (s, d) = (self.s, self.d);
         dv.par_chunks_mut(s * d).enumerate().for_each(|(bh, g)| {
             let (b, h) = (bh / self.h, bh % self.h);

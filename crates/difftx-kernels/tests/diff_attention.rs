@@ -129,3 +129,29 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert!(difftx_kernels::diff_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, PairLayout::Halves, 0.5, 0).is_err());
     Ok(())
 }
+
+#[test]
+fn empty_inputs_give_empty_outputs() -> Result<()> {
+    let l = Tensor::new(&[0.5f32], &Device::Cpu)?;
+    // (B, Hq, Hk, T, S, d): no batch, no query rows, zero-width heads
+    for (b, hq, hk, t, s, d) in [(0, 4, 4, 3, 3, 4), (1, 4, 4, 0, 3, 4), (1, 4, 2, 3, 3, 0)] {
+        let q = Var::from_tensor(&rand_t(&[b, hq, t, d], 1, 1.0, DType::F32)?)?;
+        let k = Var::from_tensor(&rand_t(&[b, hk, s, d], 2, 1.0, DType::F32)?)?;
+        let v = Var::from_tensor(&rand_t(&[b, hk, s, d], 3, 1.0, DType::F32)?)?;
+        let z = difftx_kernels::diff_attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            &l,
+            PairLayout::Halves,
+            0.5,
+            0,
+        )?;
+        assert_eq!(z.dims(), &[b, hq / 2, t, 2 * d]);
+        let g = z.sum_all()?.backward()?;
+        assert_eq!(g.get(v.as_tensor()).unwrap().dims(), v.dims());
+        let pv = difftx_kernels::pair_values(v.as_tensor(), PairLayout::Interleaved)?;
+        assert_eq!(pv.dims(), &[b, hk, s, 2 * d]);
+    }
+    Ok(())
+}
