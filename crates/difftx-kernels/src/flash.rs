@@ -475,6 +475,31 @@ fn bwd_tile<T: Float>(
     }
 }
 
+/// One tile of query rows `t0 .. t0 + rows` of head `bh` against keys `s0 .. s0 + nb` of kv head
+/// `kv`: recomputes `P` and `dS` into the scratch tiles (`bwd_tile`) and accumulates the key
+/// block's `dV += P^T dO` into `dvb` and `dK += dS^T Q` into `dkb`.
+#[inline(always)]
+fn tile_dk_dv<T: Float>(
+    x: &BwdIn<T>,
+    bh: usize,
+    t0: usize,
+    rows: usize,
+    kv: usize,
+    s0: usize,
+    nb: usize,
+    dkb: &mut [T],
+    dvb: &mut [T],
+    sc: &mut Scratch<T>,
+) {
+    let (dk, dv) = (x.d.dk, x.d.dv);
+    bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+    let r0 = bh * x.d.t + t0;
+    // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
+    mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
+    // dK[j, :] += sum_i dS[i, j] Q[i, :]
+    mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+}
+
 /// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
 /// `dvb` `[nb, dv]` over every query head of the group and every query row that sees the block:
 /// `dV += P^T dO`, `dK += dS^T Q`.
@@ -490,7 +515,6 @@ fn bwd_kv_task<T: Float>(
     sc: &mut Scratch<T>,
 ) {
     let d = &x.d;
-    let (dk, dv) = (d.dk, d.dv);
     dkb.fill(T::ZERO);
     dvb.fill(T::ZERO);
     let kv = b * d.hk + g;
@@ -500,12 +524,7 @@ fn bwd_kv_task<T: Float>(
         let mut t0 = t_start;
         while t0 < d.t {
             let rows = (d.t - t0).min(BR);
-            bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
-            let r0 = bh * d.t + t0;
-            // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
-            mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
-            // dK[j, :] += sum_i dS[i, j] Q[i, :]
-            mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+            tile_dk_dv(x, bh, t0, rows, kv, s0, nb, dkb, dvb, sc);
             t0 += rows;
         }
     }
@@ -563,10 +582,7 @@ fn bwd_group_task<T: Float>(
             let mut t0 = s0.saturating_sub(x.q_offset);
             while t0 < d.t {
                 let rows = (d.t - t0).min(BR);
-                bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
-                let r0 = bh * d.t + t0;
-                mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
-                mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+                tile_dk_dv(x, bh, t0, rows, kv, s0, nb, dkb, dvb, sc);
                 let dqb = &mut dqg[(i * d.t + t0) * dk..(i * d.t + t0 + rows) * dk];
                 mm(rows, dk, nb, dqb, dk, true, &sc.dpt, BC, 1, kb, dk, 1, T::ONE);
                 t0 += rows;
