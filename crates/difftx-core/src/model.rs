@@ -466,7 +466,7 @@ impl Attention {
         match &self.kind {
             // O = softmax(Q Kᵀ/√d + mask) V                                   [B, H, T, d]
             AttnKind::Baseline => self.attend(q, k, v, step),
-            AttnKind::DiffV1(diff) if self.both_maps_in_one_pass(step) => {
+            AttnKind::DiffV1(diff) if self.pairs_in_one_op(step) => {
                 // The same equations as below, with both maps of every pair in one attention over
                 // all H query heads, unsplit: query pair (a, b) reads kv pair (a', b') and its
                 // value [v1, v2]; the fused kernel's backward shares dO·Vᵀ and dV between the
@@ -489,10 +489,15 @@ impl Attention {
                 diff.norm_and_scale(&o, step.opts.kernels)
             }
             AttnKind::DiffV2 { lambda_proj } => {
+                let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
+                if self.pairs_in_one_op(step) {
+                    // The same equations as below in one op whose backward shares dO·Vᵀ and dV
+                    // between the two maps of a pair, which read one kv head (docs/design.md §5).
+                    return ops::diff_v2_attention(q, k, v, &lambda, self.scale(), step.offset, step.opts.kernels);
+                }
                 // One attention over all 2H query heads; pair j = heads (2j, 2j+1).
                 let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
-                let lambda = self.token_lambda(x, lambda_proj, step)?; // [B, H, T, 1]
-                                                                       // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
+                                                     // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
                 ops::diff_combine_pairs(&o, &lambda, HeadPairing::Interleaved, step.opts.kernels)
             }
         }
@@ -513,14 +518,19 @@ impl Attention {
         Tensor::cat(&[v1, v2], 3)
     }
 
-    /// Whether diff-v1 can run both maps in one fused attention over the unsplit heads: fused
-    /// kernels, no logit quantisation probe, and a head layout where flash's GQA rule (query head
-    /// h reads kv head h / (H / Hkv)) sends each map to its own pair's key head. That holds for
-    /// pairs (j, j + H/2) at any GQA ratio, and for pairs (2j, 2j + 1) only without GQA.
-    fn both_maps_in_one_pass(&self, step: &Step) -> bool {
-        step.opts.kernels == Kernels::Fused
-            && step.opts.attn_logit_bits.is_none()
-            && (self.pairing == HeadPairing::Halves || self.n_q == self.n_kv)
+    /// Whether a differential family runs both maps of every pair in one fused op: fused
+    /// kernels, no logit quantisation probe, and a head layout the op takes under flash's GQA
+    /// rule (query head h reads kv head h / (Hq / Hkv)). diff-v1: each map must reach its own
+    /// pair's key head, true for pairs (j, j + H/2) at any GQA ratio and for pairs (2j, 2j + 1)
+    /// only without GQA. diff-v2: both heads of pair (2j, 2j + 1) must read one kv head, true when
+    /// each kv head serves an even number of query heads.
+    fn pairs_in_one_op(&self, step: &Step) -> bool {
+        let layout_fits = match self.kind {
+            AttnKind::Baseline => false,
+            AttnKind::DiffV1(_) => self.pairing == HeadPairing::Halves || self.n_q == self.n_kv,
+            AttnKind::DiffV2 { .. } => (self.n_q / self.n_kv).is_multiple_of(2),
+        };
+        step.opts.kernels == Kernels::Fused && step.opts.attn_logit_bits.is_none() && layout_fits
     }
 
     fn scale(&self) -> f64 {

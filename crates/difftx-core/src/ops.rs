@@ -173,6 +173,28 @@ pub fn diff_attention(
     }
 }
 
+/// diff-v2's attention, z_j = A_{2j} V_g − λ_j·A_{2j+1} V_g for every query pair j, g the kv
+/// head both its heads read: q [B, 2H, T, d], k, v [B, Hkv, S, d], λ [B, H, T, 1] ->
+/// [B, H, T, d]. Each kv head must serve an even number of query heads. The fused kernel shares
+/// dO·Vᵀ and dV between a pair's maps in its backward (docs/design.md §5).
+pub fn diff_v2_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lambda: &Tensor,
+    scale: f64,
+    q_offset: usize,
+    kernels: Kernels,
+) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => difftx_kernels::diff_v2_attention(q, k, v, lambda, scale, q_offset),
+        Kernels::Reference => {
+            let o = attention(q, k, v, scale, q_offset, kernels)?; // [B, 2H, T, d]
+            diff_combine_pairs(&o, lambda, HeadPairing::Interleaved, kernels)
+        }
+    }
+}
+
 fn pair_layout(pairing: HeadPairing) -> difftx_kernels::PairLayout {
     match pairing {
         HeadPairing::Interleaved => difftx_kernels::PairLayout::Interleaved,

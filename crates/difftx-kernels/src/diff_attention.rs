@@ -1,33 +1,43 @@
-//! diff-v1's attention with the differential combination inside, so that the backward shares
-//! work between the two maps of a pair.
+//! The differential attentions with the combination inside, so that the backward shares work
+//! between the two maps of a pair: diff-v1's ([`diff_attention`]) and diff-v2's
+//! ([`diff_v2_attention`]).
 //!
-//! Layouts (row-major): `q` `[B, Hq, T, dk]`, `k` `[B, Hk, S, dk]`, `v` `[B, Hk, S, dv]`, `λ` one
-//! element; out `z` `[B, Hq/2, T, 2dv]`. Query pair `j` is `(a(j), b(j))` and kv pair `p` is
-//! `(a'(p), b'(p))` by the same [`PairLayout`] over the query and the kv heads; query head `h`
-//! reads kv head `h / (Hq / Hk)` (GQA), and both heads of a query pair must read the two heads of
-//! one kv pair, first to first (true for halves at any GQA ratio and for interleaved pairs
-//! without GQA). The value of kv pair `p` is `V_p = [v_{a'}, v_{b'}]` (`2dv` wide) and
+//! Layouts (row-major): `q` `[B, Hq, T, dk]`, `k` `[B, Hk, S, dk]`, `v` `[B, Hk, S, dv]`; query
+//! head `h` reads kv head `h / (Hq / Hk)` (GQA).
+//!
+//! diff-v1: `λ` one element; out `z` `[B, Hq/2, T, 2dv]`. Query pair `j` is `(a(j), b(j))` and kv
+//! pair `p` is `(a'(p), b'(p))` by the same [`PairLayout`] over the query and the kv heads; both
+//! heads of a query pair must read the two heads of one kv pair, first to first (true for halves
+//! at any GQA ratio and for interleaved pairs without GQA). The value of kv pair `p` is
+//! `V_p = [v_{a'}, v_{b'}]` (`2dv` wide) and
 //!
 //! `z_j = softmax(scale q_a k_{a'}ᵀ) V_p − λ·softmax(scale q_b k_{b'}ᵀ) V_p`   (causal, KV offset)
 //!
-//! Forward: the pair values, one flash attention over all heads, the combination: the same
-//! kernels as the composition `pair_values` → `flash_attention` → `diff_combine_pairs`.
+//! diff-v2: `λ` one per pair and position, `[B, Hq/2, T]`; out `z` `[B, Hq/2, T, dv]`. Query
+//! pair `j` is `(2j, 2j+1)`, both heads read one kv head `g` (an even number of query heads per
+//! kv head), and `z_{j,t} = softmax(scale q_a k_gᵀ)_t v_g − λ_{j,t}·softmax(scale q_b k_gᵀ)_t v_g`.
 //!
-//! Backward, per task `(batch, kv pair)`: with `P_a`, `P_b` the two maps (recomputed from the
-//! saved log-sum-exps), `dz` the output gradient, `delta_a = rowsum(dz ∘ o_a)`,
-//! `delta_b = −λ·rowsum(dz ∘ o_b)`:
-//! * `dP = dz V_pᵀ` once for both maps (map b's is `−λ·dP`),
+//! Forward: one flash attention over all heads (diff-v1's on the pair values), then the
+//! combination: the same kernels as the composition (`pair_values` →) `flash_attention` →
+//! `diff_combine_pairs`.
+//!
+//! Backward, per task `(batch, kv pair)` (diff-v1) or `(batch, kv head)` (diff-v2), `V` the value
+//! both maps multiply and `K_a`, `K_b` their keys (one and the same for diff-v2): with `P_a`,
+//! `P_b` the two maps (recomputed from the saved log-sum-exps), `dz` the output gradient,
+//! `delta_a = rowsum(dz ∘ o_a)`, `delta_b = −λ·rowsum(dz ∘ o_b)` (λ of the row's position):
+//! * `dP = dz Vᵀ` once for both maps (map b's is `−λ·dP`),
 //! * `dS_a = scale·P_a ∘ (dP − delta_a)`, `dS_b = scale·P_b ∘ (−λ·dP − delta_b)`,
-//! * `dV_p += (P_a − λ·P_b)ᵀ dz` once for both maps,
-//! * `dK_{a'} += dS_aᵀ q_a`, `dK_{b'} += dS_bᵀ q_b`, `dq_a += dS_a K_{a'}`, `dq_b += dS_b K_{b'}`,
-//! * `dλ = −Σ dz ∘ o_b`.
+//! * `dV += (P_a − λ·P_b)ᵀ dz` once for both maps,
+//! * `dK_a += dS_aᵀ q_a`, `dK_b += dS_bᵀ q_b`, `dq_a += dS_a K_a`, `dq_b += dS_b K_b`,
+//! * `dλ = −Σ dz ∘ o_b` (per position for diff-v2).
 //!
-//! Per pair and tile that is 10 tile-product units (in units of `d`-wide products) where flash's
-//! backward over the composed path does 14 (`dP` and `dV` are `2d` wide, once per map); the
-//! baseline's two heads also do 10. A task owns its kv pair's `dK`, `dV` and the `dq` of the query
-//! pairs that read it: no races, deterministic. With fewer than `ONE_PASS_TASKS_PER_THREAD` tasks
-//! per thread (long sequences over few heads) the backward runs the composition's own backward
-//! (combination, flash, pair values) instead, which splits the work finer.
+//! Per pair and tile that is 10 tile-product units for diff-v1 (in units of `d`-wide products)
+//! where flash's backward over the composed path does 14 (`dP` and `dV` are `2d` wide, once per
+//! map; the baseline's two heads also do 10), and 8 for diff-v2 where the composition does 10. A
+//! task owns its kv heads' `dK`, `dV` and the `dq` of the query pairs that read them: no races,
+//! deterministic. With fewer than `ONE_PASS_TASKS_PER_THREAD` tasks per thread (long sequences
+//! over few heads) the backward runs the composition's own backward (combination, flash, pair
+//! values) instead, which splits the work finer.
 
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
@@ -41,6 +51,7 @@ use crate::PairLayout;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::sync::Mutex;
 
 /// diff-v1's attention `z_j = A_a V_p − λ·A_b V_p` for every query pair `j` (see the module
@@ -54,39 +65,42 @@ pub fn diff_attention(
     scale: f64,
     q_offset: usize,
 ) -> Result<Tensor> {
-    let dt = q.dtype();
-    if !matches!(dt, DType::F32 | DType::F64) {
-        bail!("difftx_kernels::diff_attention: unsupported dtype {dt:?} (f32, f64 only)");
+    DiffAttn::apply(q, k, v, lambda, Maps::V1(layout), scale, q_offset)
+}
+
+/// diff-v2's attention `z_{j,t} = A_{2j} v_g − λ_{j,t}·A_{2j+1} v_g` for every query pair `j`, `g`
+/// the kv head both its heads read (see the module docs): `λ` has `B·(Hq/2)·T` elements
+/// (`[B, Hq/2, T]` or `[B, Hq/2, T, 1]`), the output is `[B, Hq/2, T, dv]`. Backward for `q`, `k`,
+/// `v` and `λ`. f32 and f64, one dtype; CPU only.
+pub fn diff_v2_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lambda: &Tensor,
+    scale: f64,
+    q_offset: usize,
+) -> Result<Tensor> {
+    DiffAttn::apply(q, k, v, lambda, Maps::V2, scale, q_offset)
+}
+
+/// How the two maps of a query pair find their keys, value and λ.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Maps {
+    /// diff-v1: query pair `(a, b)` reads kv pair `(a', b')` and its pair value `[v_a', v_b']`;
+    /// one λ.
+    V1(PairLayout),
+    /// diff-v2: query pair `(2j, 2j+1)` reads one kv head, keys and value; λ per pair and position.
+    V2,
+}
+
+impl Maps {
+    /// How the query heads (and diff-v1's kv heads) form pairs.
+    fn layout(self) -> PairLayout {
+        match self {
+            Maps::V1(layout) => layout,
+            Maps::V2 => PairLayout::Interleaved,
+        }
     }
-    if k.dtype() != dt || v.dtype() != dt || lambda.dtype() != dt {
-        bail!("difftx_kernels::diff_attention: q, k, v and lambda must share one dtype");
-    }
-    if lambda.elem_count() != 1 {
-        bail!("difftx_kernels::diff_attention: lambda must have one element, got shape {:?}", lambda.dims());
-    }
-    let (b, hq, t, dk) = q.dims4()?;
-    let (bk, hk, s, dk2) = k.dims4()?;
-    let (bv, hv, sv, dv) = v.dims4()?;
-    if bk != b || bv != b || hv != hk || sv != s || dk2 != dk {
-        bail!(
-            "difftx_kernels::diff_attention: shapes q {:?}, k {:?}, v {:?} do not fit [B, Hq, T, dk], [B, Hk, S, dk], [B, Hk, S, dv]",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if hq % 2 != 0 || hk % 2 != 0 || hk == 0 || hq % hk != 0 {
-        bail!("difftx_kernels::diff_attention: {hq} query heads and {hk} kv heads cannot form pairs (both even, Hq a multiple of Hk)");
-    }
-    if s == 0 && t > 0 {
-        bail!("difftx_kernels::diff_attention: no keys (S = 0)");
-    }
-    let d = Dims { b, hq, hk, t, s, dk, dv: 2 * dv };
-    let pairs_of = query_pairs_per_kv_pair(&d, layout)?;
-    let op = DiffAttn { d, layout, scale, q_offset, pairs_of, saved: Mutex::new(None) };
-    // candle's custom ops take three inputs: λ rides at the end of v's flattened data.
-    let v_lambda = Tensor::cat(&[&v.flatten_all()?, &lambda.flatten_all()?], 0)?;
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v_lambda, op)
 }
 
 /// The pair `(a, b)` number `j` of `n` heads.
@@ -97,18 +111,32 @@ fn pair(layout: PairLayout, n: usize, j: usize) -> (usize, usize) {
     }
 }
 
-/// For every kv pair, the query pairs that read it; an error when a query pair's two heads do
-/// not read the two heads of one kv pair, first to first.
-fn query_pairs_per_kv_pair(d: &Dims, layout: PairLayout) -> Result<Vec<Vec<usize>>> {
+/// For every backward task's kv heads (diff-v1: a kv pair, diff-v2: one kv head), the query
+/// pairs that read them; an error when a query pair's two heads do not read what `maps` needs.
+fn query_pairs_per_task(d: &Dims, maps: Maps) -> Result<Vec<Vec<usize>>> {
     let rep = d.rep();
-    let mut pairs_of = vec![Vec::new(); d.hk / 2];
+    let layout = maps.layout();
+    let tasks = match maps {
+        Maps::V1(_) => d.hk / 2,
+        Maps::V2 => d.hk,
+    };
+    let mut pairs_of = vec![Vec::new(); tasks];
     for j in 0..d.hq / 2 {
         let (a, b) = pair(layout, d.hq, j);
         let (ka, kb) = (a / rep, b / rep);
-        match (0..d.hk / 2).find(|&p| pair(layout, d.hk, p) == (ka, kb)) {
-            Some(p) => pairs_of[p].push(j),
-            None => bail!(
+        let task = match maps {
+            Maps::V1(_) => (0..tasks).find(|&p| pair(layout, d.hk, p) == (ka, kb)),
+            Maps::V2 => (ka == kb).then_some(ka),
+        };
+        match (task, maps) {
+            (Some(p), _) => pairs_of[p].push(j),
+            (None, Maps::V1(_)) => bail!(
                 "difftx_kernels::diff_attention: with {layout:?} pairs, {} query heads and {} kv heads, query pair ({a}, {b}) reads kv heads ({ka}, {kb}), which are not a pair",
+                d.hq,
+                d.hk
+            ),
+            (None, Maps::V2) => bail!(
+                "difftx_kernels::diff_v2_attention: {} query heads over {} kv heads: query pair ({a}, {b}) reads two kv heads ({ka}, {kb}); each kv head must serve an even number of query heads",
                 d.hq,
                 d.hk
             ),
@@ -118,66 +146,160 @@ fn query_pairs_per_kv_pair(d: &Dims, layout: PairLayout) -> Result<Vec<Vec<usize
 }
 
 struct DiffAttn {
-    /// Flash attention's dims over all heads, `dv` the pair value's width `2dv`.
+    /// Flash attention's dims over all heads, `dv` the width of the value both maps multiply
+    /// (diff-v1: the pair value's `2dv`).
     d: Dims,
-    layout: PairLayout,
+    maps: Maps,
     scale: f64,
     q_offset: usize,
+    /// Per backward task's kv heads, the query pairs that read them.
     pairs_of: Vec<Vec<usize>>,
-    /// Saved by the forward for the backward: every head's output `[B, Hq, T, 2dv]` and
+    /// Saved by the forward for the backward: every head's output `[B, Hq, T, dv]` and
     /// log-sum-exp `[B, Hq, T]`.
     saved: Mutex<Option<(CpuStorage, CpuStorage)>>,
 }
 
 impl DiffAttn {
+    fn apply(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        lambda: &Tensor,
+        maps: Maps,
+        scale: f64,
+        q_offset: usize,
+    ) -> Result<Tensor> {
+        let name = match maps {
+            Maps::V1(_) => "difftx_kernels::diff_attention",
+            Maps::V2 => "difftx_kernels::diff_v2_attention",
+        };
+        let dt = q.dtype();
+        if !matches!(dt, DType::F32 | DType::F64) {
+            bail!("{name}: unsupported dtype {dt:?} (f32, f64 only)");
+        }
+        if k.dtype() != dt || v.dtype() != dt || lambda.dtype() != dt {
+            bail!("{name}: q, k, v and lambda must share one dtype");
+        }
+        let (b, hq, t, dk) = q.dims4()?;
+        let (bk, hk, s, dk2) = k.dims4()?;
+        let (bv, hv, sv, dv) = v.dims4()?;
+        if bk != b || bv != b || hv != hk || sv != s || dk2 != dk {
+            bail!(
+                "{name}: shapes q {:?}, k {:?}, v {:?} do not fit [B, Hq, T, dk], [B, Hk, S, dk], [B, Hk, S, dv]",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
+        }
+        let kv_even = matches!(maps, Maps::V2) || hk % 2 == 0;
+        if hq % 2 != 0 || !kv_even || hk == 0 || hq % hk != 0 {
+            bail!("{name}: {hq} query heads and {hk} kv heads cannot form pairs (Hq even and a multiple of Hk; Hk even for diff-v1)");
+        }
+        let n_lambda = match maps {
+            Maps::V1(_) => 1,
+            Maps::V2 => b * (hq / 2) * t,
+        };
+        if lambda.elem_count() != n_lambda {
+            bail!("{name}: lambda must have {n_lambda} elements, got shape {:?}", lambda.dims());
+        }
+        if s == 0 && t > 0 {
+            bail!("{name}: no keys (S = 0)");
+        }
+        let width = match maps {
+            Maps::V1(_) => 2 * dv,
+            Maps::V2 => dv,
+        };
+        let d = Dims { b, hq, hk, t, s, dk, dv: width };
+        let pairs_of = query_pairs_per_task(&d, maps)?;
+        let op = DiffAttn { d, maps, scale, q_offset, pairs_of, saved: Mutex::new(None) };
+        // candle's custom ops take three inputs: λ rides at the end of v's flattened data.
+        let v_lambda = Tensor::cat(&[&v.flatten_all()?, &lambda.flatten_all()?], 0)?;
+        q.contiguous()?.apply_op3(&k.contiguous()?, &v_lambda, op)
+    }
+
     fn pair_values(&self) -> PairValues {
-        PairValues { b: self.d.b, h: self.d.hk, s: self.d.s, d: self.d.dv / 2, layout: self.layout }
+        PairValues { b: self.d.b, h: self.d.hk, s: self.d.s, d: self.d.dv / 2, layout: self.maps.layout() }
+    }
+
+    /// The value both maps of a pair multiply, per kv head: diff-v1's pair values, diff-v2's `v`.
+    fn values<'a, T: Float>(&self, v: &'a [T]) -> Cow<'a, [T]> {
+        match self.maps {
+            Maps::V1(_) => {
+                let mut v2 = vec![T::ZERO; 2 * v.len()];
+                self.pair_values().fwd(v, &mut v2);
+                Cow::Owned(v2)
+            }
+            Maps::V2 => Cow::Borrowed(v),
+        }
     }
 
     fn combine(&self) -> DiffCombinePairs {
         let (d, p) = (&self.d, self.d.hq / 2);
-        let (outer, inner) = match self.layout {
+        let (outer, inner) = match self.maps.layout() {
             PairLayout::Interleaved => (d.b * p, d.t * d.dv),
             PairLayout::Halves => (d.b, p * d.t * d.dv),
         };
-        DiffCombinePairs { outer, inner, width: 0 }
+        let width = match self.maps {
+            Maps::V1(_) => 0,
+            Maps::V2 => d.dv,
+        };
+        DiffCombinePairs { outer, inner, width }
     }
 
-    /// Every head's output and log-sum-exp, and the pair values.
-    fn attend<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+    /// Every head's output and log-sum-exp.
+    fn attend<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<T>) {
         let d = &self.d;
-        let mut v2 = vec![T::ZERO; 2 * v.len()];
-        self.pair_values().fwd(v, &mut v2);
         let mut o = vec![T::ZERO; d.b * d.hq * d.t * d.dv];
         let mut lse = vec![T::ZERO; d.b * d.hq * d.t];
-        flash_fwd(d, self.scale, self.q_offset, q, k, &v2, &mut o, &mut lse);
-        (o, lse, v2)
+        flash_fwd(d, self.scale, self.q_offset, q, k, &self.values(v), &mut o, &mut lse);
+        (o, lse)
+    }
+
+    /// The backward tasks' kv heads `(a, b)` for task `u` (diff-v2: one head twice).
+    fn task_kv(&self, u: usize) -> (usize, usize) {
+        match self.maps {
+            Maps::V1(layout) => pair(layout, self.d.hk, u),
+            Maps::V2 => (u, u),
+        }
+    }
+
+    /// Elements of the op's `v` input (before λ at its end).
+    fn value_len(&self) -> usize {
+        let d = &self.d;
+        let width = match self.maps {
+            Maps::V1(_) => d.dv / 2,
+            Maps::V2 => d.dv,
+        };
+        d.b * d.hk * d.s * width
     }
 }
 
-/// What one backward task produces for kv pair `p` of batch `b`.
-struct TaskGrads<T> {
+/// Where one backward task writes: the gradients of its kv heads and of the query heads that
+/// read them, slices of the op's gradient buffers that no other task touches.
+struct TaskOut<'a, T> {
     b: usize,
-    p: usize,
-    /// `[S, dk]` each.
-    dk_a: Vec<T>,
-    dk_b: Vec<T>,
-    /// `[S, 2dv]`: the pair value's gradient.
-    dv_pair: Vec<T>,
-    /// `[n_pairs, 2, T, dk]`: heads a and b of every query pair reading this kv pair.
-    dq: Vec<T>,
+    u: usize,
+    /// `[S, dk]` each; `dk_b` is `None` when both maps read one kv head (its gradient goes to `dk_a`).
+    dk_a: &'a mut [T],
+    dk_b: Option<&'a mut [T]>,
+    /// `[S, dv]` per kv head: diff-v1's two heads (halves of the pair value's gradient), diff-v2's one.
+    dv: Vec<&'a mut [T]>,
+    /// `[T, dk]` heads a and b of every query pair reading these kv heads.
+    dq: Vec<(&'a mut [T], &'a mut [T])>,
 }
 
 /// Inputs of the shared-map backward.
 struct BwdIn<'a, T> {
     d: Dims,
     layout: PairLayout,
-    lambda: T,
+    /// One element, or one per pair and position `[B, Hq/2, T]`.
+    lambda: &'a [T],
     scale: T,
     q_offset: usize,
     q: &'a [T],
     k: &'a [T],
-    v2: &'a [T],
+    /// `[B, Hk, S, dv]`: the value both maps multiply, per kv head.
+    v: &'a [T],
     dz: &'a [T],
     lse: &'a [T],
     /// `[B, Hq, T]`: `rowsum(dz ∘ o_a)` for heads a, `−λ·rowsum(dz ∘ o_b)` for heads b.
@@ -185,43 +307,49 @@ struct BwdIn<'a, T> {
     pairs_of: &'a [Vec<usize>],
 }
 
-/// Per-thread `[BR, BC]` tiles: both maps' scores / probabilities (map a's becomes
-/// `P_a − λ·P_b`), the shared `dP`, both maps' `dS`.
+impl<T: Float> BwdIn<'_, T> {
+    /// λ of pair `bj` (batch-major) at query row `row`.
+    #[inline(always)]
+    fn lambda_at(&self, bj: usize, row: usize) -> T {
+        if self.lambda.len() == 1 {
+            self.lambda[0]
+        } else {
+            self.lambda[bj * self.d.t + row]
+        }
+    }
+}
+
+/// Per-thread `[BR, BC]` tiles, overwritten in place so that a task's working set stays close
+/// to flash's two tiles (it spilled out of a 512 KiB L2 with five): both maps' scores /
+/// probabilities, then map a's becomes `P_a − λ·P_b` and map b's `dS_b`; the shared `dP`, then
+/// `dS_a`.
 struct Tiles<T> {
     pa: Vec<T>,
     pb: Vec<T>,
     dp: Vec<T>,
-    dsa: Vec<T>,
-    dsb: Vec<T>,
 }
 
 impl<T: Float> Tiles<T> {
     fn new() -> Self {
         let z = || vec![T::ZERO; BR * BC];
-        Tiles { pa: z(), pb: z(), dp: z(), dsa: z(), dsb: z() }
+        Tiles { pa: z(), pb: z(), dp: z() }
     }
 }
 
-/// One task: kv pair `p` of batch `b` and every query pair that reads it (module docs).
+/// One task: kv heads `kv = (a', b')` of batch `g.b` (task `g.u`) and every query pair that
+/// reads them (module docs). The gradient slices in `g` must hold zeros.
 #[inline(always)]
-fn pair_task<T: Float>(x: &BwdIn<T>, b: usize, p: usize, tl: &mut Tiles<T>) -> TaskGrads<T> {
+fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl: &mut Tiles<T>) {
     let d = &x.d;
     let (dk, w, t, s) = (d.dk, d.dv, d.t, d.s);
-    let (ka, kb) = pair(x.layout, d.hk, p);
-    let js = &x.pairs_of[p];
-    let mut g = TaskGrads {
-        b,
-        p,
-        dk_a: vec![T::ZERO; s * dk],
-        dk_b: vec![T::ZERO; s * dk],
-        dv_pair: vec![T::ZERO; s * w],
-        dq: vec![T::ZERO; js.len() * 2 * t * dk],
-    };
+    let (b, (ka, kb)) = (g.b, kv);
+    let js = &x.pairs_of[g.u];
+    // the value's gradient [S, w], split among the kv heads at the end
+    let mut dv = vec![T::ZERO; s * w];
     let k_a = &x.k[(b * d.hk + ka) * s * dk..][..s * dk];
     let k_b = &x.k[(b * d.hk + kb) * s * dk..][..s * dk];
-    // kv heads a' and b' hold the same pair value; a' 's copy is read
-    let v_p = &x.v2[(b * d.hk + ka) * s * w..][..s * w];
-    let minus_lambda = T::ZERO - x.lambda;
+    // diff-v1's kv heads a' and b' hold the same pair value; a' 's copy is read
+    let v_p = &x.v[(b * d.hk + ka) * s * w..][..s * w];
     let mut s0 = 0;
     while s0 < s {
         let nb = (s - s0).min(BC);
@@ -253,46 +381,55 @@ fn pair_task<T: Float>(x: &BwdIn<T>, b: usize, p: usize, tl: &mut Tiles<T>) -> T
                         T::exp_inplace(&mut e[..n]);
                         e[n..].fill(T::ZERO);
                     }
+                    let minus_lambda = T::ZERO - x.lambda_at(bj, t0 + r);
                     let (da, db) = (x.delta[ra], x.delta[rb]);
-                    let (dp, dsa, dsb) = (&tl.dp[row.clone()], &mut tl.dsa[row.clone()], &mut tl.dsb[row]);
+                    // dp becomes dS_a, pb dS_b, pa P_a − λ·P_b
+                    let dp = &mut tl.dp[row];
                     for c in 0..nb {
-                        let gp = dp[c];
-                        dsa[c] = pa[c] * (gp - da) * x.scale;
-                        dsb[c] = pb[c] * (minus_lambda * gp - db) * x.scale;
-                        pa[c] += minus_lambda * pb[c];
+                        let (gp, pbc) = (dp[c], pb[c]);
+                        dp[c] = pa[c] * (gp - da) * x.scale;
+                        pb[c] = pbc * (minus_lambda * gp - db) * x.scale;
+                        pa[c] += minus_lambda * pbc;
                     }
                 }
-                let dvb = &mut g.dv_pair[s0 * w..(s0 + nb) * w];
+                let dvb = &mut dv[s0 * w..(s0 + nb) * w];
                 mm(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, 1, T::ONE);
-                mm(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, &tl.dsa, 1, BC, qa, dk, 1, T::ONE);
-                mm(nb, dk, rows, &mut g.dk_b[s0 * dk..(s0 + nb) * dk], dk, true, &tl.dsb, 1, BC, qb, dk, 1, T::ONE);
-                let dqa = &mut g.dq[((2 * i) * t + t0) * dk..][..rows * dk];
-                mm(rows, dk, nb, dqa, dk, true, &tl.dsa, BC, 1, kab, dk, 1, T::ONE);
-                let dqb = &mut g.dq[((2 * i + 1) * t + t0) * dk..][..rows * dk];
-                mm(rows, dk, nb, dqb, dk, true, &tl.dsb, BC, 1, kbb, dk, 1, T::ONE);
+                let (dsa, dsb) = (&tl.dp, &tl.pb);
+                mm(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, 1, T::ONE);
+                let dk_b = g.dk_b.as_deref_mut().unwrap_or(&mut *g.dk_a);
+                mm(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, 1, T::ONE);
+                let (dq_a, dq_b) = &mut g.dq[i];
+                mm(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, 1, T::ONE);
+                mm(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, 1, T::ONE);
                 t0 += rows;
             }
         }
         s0 += nb;
     }
-    g
+    // diff-v1: the pair value's halves to kv heads a' and b'; diff-v2: the one kv head's
+    let part = w / g.dv.len();
+    for (r, row) in dv.chunks(w).enumerate() {
+        for (head, half) in g.dv.iter_mut().zip(row.chunks(part)) {
+            head[r * part..(r + 1) * part].copy_from_slice(half);
+        }
+    }
 }
 
 mod simd {
     use super::*;
 
-    pub(super) type TaskFn<T> = fn(&BwdIn<T>, usize, usize, &mut Tiles<T>) -> TaskGrads<T>;
+    pub(super) type TaskFn<T> = fn(&BwdIn<T>, (usize, usize), &mut TaskOut<T>, &mut Tiles<T>);
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn task_avx2<T: Float>(x: &BwdIn<T>, b: usize, p: usize, tl: &mut Tiles<T>) -> TaskGrads<T> {
-        pair_task(x, b, p, tl)
+    unsafe fn task_avx2<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl: &mut Tiles<T>) {
+        pair_task(x, kv, g, tl)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn task_avx512<T: Float>(x: &BwdIn<T>, b: usize, p: usize, tl: &mut Tiles<T>) -> TaskGrads<T> {
-        pair_task(x, b, p, tl)
+    unsafe fn task_avx512<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl: &mut Tiles<T>) {
+        pair_task(x, kv, g, tl)
     }
 
     /// The task compiled for the best instruction set this CPU has.
@@ -302,24 +439,28 @@ mod simd {
             let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
             if avx2 && std::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU supports the enabled features (checked just above).
-                return |x, b, p, tl| unsafe { task_avx512(x, b, p, tl) };
+                return |x, kv, g, tl| unsafe { task_avx512(x, kv, g, tl) };
             }
             if avx2 {
                 // SAFETY: the CPU supports the enabled features (checked just above).
-                return |x, b, p, tl| unsafe { task_avx2(x, b, p, tl) };
+                return |x, kv, g, tl| unsafe { task_avx2(x, kv, g, tl) };
             }
         }
-        |x, b, p, tl| pair_task(x, b, p, tl)
+        |x, kv, g, tl| pair_task(x, kv, g, tl)
     }
 }
 
-/// Whether the backward shares the maps' work in (batch, kv pair) tasks (enough of them to keep
-/// every thread busy) rather than running the composition's backward.
-fn shared_maps(d: &Dims) -> bool {
-    d.dk > 0 && d.dv > 0 && d.t > 0 && d.b * d.hk / 2 >= ONE_PASS_TASKS_PER_THREAD * rayon::current_num_threads()
-}
-
 impl DiffAttn {
+    /// Whether the backward shares the maps' work in (batch, kv heads) tasks (enough of them to
+    /// keep every thread busy) rather than running the composition's backward.
+    fn shared_maps(&self) -> bool {
+        let d = &self.d;
+        d.dk > 0
+            && d.dv > 0
+            && d.t > 0
+            && d.b * self.pairs_of.len() >= ONE_PASS_TASKS_PER_THREAD * rayon::current_num_threads()
+    }
+
     /// Gradients `(dq, dk, dv, dλ)`; `shared`: the shared-map tasks, else the composition's
     /// backward (combination, flash, pair values).
     #[allow(clippy::type_complexity)]
@@ -329,28 +470,35 @@ impl DiffAttn {
         q: &[T],
         k: &[T],
         v: &[T],
-        lambda: T,
+        lambda: &[T],
         o: &[T],
         lse: &[T],
         dz: &[T],
-    ) -> (Vec<T>, Vec<T>, Vec<T>, T) {
+    ) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
         let d = &self.d;
-        let (dvr, w) = (d.dv / 2, d.dv);
+        let w = d.dv;
         let mut dq = vec![T::ZERO; q.len()];
         let mut dk = vec![T::ZERO; k.len()];
         let mut dv = vec![T::ZERO; v.len()];
-        // dλ = −Σ dz ∘ o_b, and the pair values
+        // Touch dq's fresh pages here: their first-touch faults inside the parallel tasks made
+        // them half again as slow (one bench-s layer, system allocator).
+        dq.fill(T::ZERO);
+        // dλ = −Σ dz ∘ o_b, and the value both maps multiply
         let combine = self.combine();
         let mut dout = vec![T::ZERO; o.len()];
-        let mut dl = [T::ZERO];
-        combine.bwd(o, &[lambda], dz, &mut dout, &mut dl);
-        let mut v2 = vec![T::ZERO; 2 * v.len()];
-        self.pair_values().fwd(v, &mut v2);
+        let mut dl = vec![T::ZERO; lambda.len()];
+        combine.bwd(o, lambda, dz, &mut dout, &mut dl);
+        let values = self.values(v);
         if !shared {
-            let mut dv2 = vec![T::ZERO; v2.len()];
-            flash_bwd(d, self.scale, self.q_offset, q, k, &v2, o, &dout, lse, &mut dq, &mut dk, &mut dv2);
-            self.pair_values().bwd(&dv2, &mut dv);
-            return (dq, dk, dv, dl[0]);
+            match self.maps {
+                Maps::V1(_) => {
+                    let mut dv2 = vec![T::ZERO; values.len()];
+                    flash_bwd(d, self.scale, self.q_offset, q, k, &values, o, &dout, lse, &mut dq, &mut dk, &mut dv2);
+                    self.pair_values().bwd(&dv2, &mut dv);
+                }
+                Maps::V2 => flash_bwd(d, self.scale, self.q_offset, q, k, v, o, &dout, lse, &mut dq, &mut dk, &mut dv),
+            }
+            return (dq, dk, dv, dl);
         }
         // delta per query head: dout_h · o_h, dout being dz for heads a and −λ·dz for heads b
         let mut delta = vec![T::ZERO; d.b * d.hq * d.t];
@@ -363,41 +511,51 @@ impl DiffAttn {
         });
         let x = BwdIn {
             d: *d,
-            layout: self.layout,
+            layout: self.maps.layout(),
             lambda,
             scale: T::from_f64(self.scale),
             q_offset: self.q_offset,
             q,
             k,
-            v2: &v2,
+            v: &values,
             dz,
             lse,
             delta: &delta,
             pairs_of: &self.pairs_of,
         };
-        let task = simd::pick::<T>();
-        let grads: Vec<TaskGrads<T>> = (0..d.b * d.hk / 2)
-            .into_par_iter()
-            .map_init(Tiles::new, |tl, bp| task(&x, bp / (d.hk / 2), bp % (d.hk / 2), tl))
-            .collect();
-        let (t, s, dkd) = (d.t, d.s, d.dk);
-        for g in grads {
-            let (ka, kb) = pair(self.layout, d.hk, g.p);
-            dk[(g.b * d.hk + ka) * s * dkd..][..s * dkd].copy_from_slice(&g.dk_a);
-            dk[(g.b * d.hk + kb) * s * dkd..][..s * dkd].copy_from_slice(&g.dk_b);
-            let (va, vb) = ((g.b * d.hk + ka) * s * dvr, (g.b * d.hk + kb) * s * dvr);
-            for (r, row) in g.dv_pair.chunks(w).enumerate() {
-                dv[va + r * dvr..va + (r + 1) * dvr].copy_from_slice(&row[..dvr]);
-                dv[vb + r * dvr..vb + (r + 1) * dvr].copy_from_slice(&row[dvr..]);
-            }
-            for (i, &j) in self.pairs_of[g.p].iter().enumerate() {
-                let (ha, hb) = pair(self.layout, d.hq, j);
-                for (slot, h) in [(2 * i, ha), (2 * i + 1, hb)] {
-                    dq[(g.b * d.hq + h) * t * dkd..][..t * dkd].copy_from_slice(&g.dq[slot * t * dkd..][..t * dkd]);
+        // hand every task its heads' gradient slices
+        let (t, s, dkd, units) = (d.t, d.s, d.dk, self.pairs_of.len());
+        let dv_head = v.len() / (d.b * d.hk);
+        let mut dq_heads: Vec<Option<&mut [T]>> = dq.chunks_mut(t * dkd).map(Some).collect();
+        let mut dk_heads: Vec<Option<&mut [T]>> = dk.chunks_mut(s * dkd).map(Some).collect();
+        let mut dv_heads: Vec<Option<&mut [T]>> = dv.chunks_mut(dv_head).map(Some).collect();
+        fn take<'a, T>(heads: &mut [Option<&'a mut [T]>], i: usize) -> &'a mut [T] {
+            heads[i].take().expect("every head belongs to one task")
+        }
+        let mut outs = Vec::with_capacity(d.b * units);
+        for b in 0..d.b {
+            for u in 0..units {
+                let (ka, kb) = self.task_kv(u);
+                let (kva, kvb) = (b * d.hk + ka, b * d.hk + kb);
+                let dk_a = take(&mut dk_heads, kva);
+                let dk_b = (ka != kb).then(|| take(&mut dk_heads, kvb));
+                let mut dvs = vec![take(&mut dv_heads, kva)];
+                if ka != kb {
+                    dvs.push(take(&mut dv_heads, kvb));
                 }
+                let dqs = self.pairs_of[u]
+                    .iter()
+                    .map(|&j| {
+                        let (ha, hb) = pair(self.maps.layout(), d.hq, j);
+                        (take(&mut dq_heads, b * d.hq + ha), take(&mut dq_heads, b * d.hq + hb))
+                    })
+                    .collect();
+                outs.push(TaskOut { b, u, dk_a, dk_b, dv: dvs, dq: dqs });
             }
         }
-        (dq, dk, dv, dl[0])
+        let task = simd::pick::<T>();
+        outs.into_par_iter().for_each_init(Tiles::new, |tl, mut g| task(&x, self.task_kv(g.u), &mut g, tl));
+        (dq, dk, dv, dl)
     }
 }
 
@@ -412,8 +570,8 @@ fn fwd_typed<T: Float>(
 ) -> Result<(CpuStorage, Shape)> {
     let d = &op.d;
     let (q, k, vl) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
-    let (v, lambda) = vl.split_at(vl.len() - 1);
-    let (o, lse, _) = op.attend(q, k, v);
+    let (v, lambda) = vl.split_at(op.value_len());
+    let (o, lse) = op.attend(q, k, v);
     let mut z = vec![T::ZERO; o.len() / 2];
     op.combine().fwd(&o, lambda, &mut z);
     *op.saved.lock().unwrap() = Some((T::to_cpu_storage_owned(o), T::to_cpu_storage_owned(lse)));
@@ -432,18 +590,17 @@ fn bwd_typed<T: Float>(
         with_slice::<T, _>(k, |ks| {
             with_slice::<T, _>(vl, |vls| {
                 with_slice::<T, _>(dz, |dzs| {
-                    let (v, lambda) = vls.split_at(vls.len() - 1);
+                    let (v, lambda) = vls.split_at(op.value_len());
                     let recomputed;
                     let (o, lse): (&[T], &[T]) = match &saved {
                         Some((o, l)) => (o.as_slice::<T>()?, l.as_slice::<T>()?),
                         None => {
-                            let (o, l, _) = op.attend(qs, ks, v);
-                            recomputed = (o, l);
+                            recomputed = op.attend(qs, ks, v);
                             (&recomputed.0, &recomputed.1)
                         }
                     };
-                    let (dq, dk, mut dv, dl) = op.backward(shared_maps(&op.d), qs, ks, v, lambda[0], o, lse, dzs);
-                    dv.push(dl);
+                    let (dq, dk, mut dv, dl) = op.backward(op.shared_maps(), qs, ks, v, lambda, o, lse, dzs);
+                    dv.extend_from_slice(&dl);
                     Ok((dq, dk, dv))
                 })
             })
@@ -507,34 +664,43 @@ mod tests {
     /// thread count picks.
     #[test]
     fn shared_map_backward_equals_composed_backward() {
+        let (il, hv) = (Maps::V1(PairLayout::Interleaved), Maps::V1(PairLayout::Halves));
         let cases = [
-            // (b, hq, hk, t, s, dk, dv, q_offset, layout)
-            (2, 4, 4, 77, 77, 8, 8, 0, PairLayout::Interleaved),
-            (1, 8, 4, 150, 150, 16, 16, 0, PairLayout::Halves), // GQA 2, two key tiles
-            (1, 12, 4, 300, 300, 8, 12, 0, PairLayout::Halves), // GQA 3, three tiles, dv != dk
-            (2, 4, 2, 37, 100, 5, 7, 63, PairLayout::Halves),   // KV offset, odd head dims
-            (1, 4, 4, 1, 70, 8, 8, 69, PairLayout::Interleaved), // one row against a cache
-            (1, 2, 2, 140, 290, 4, 4, 150, PairLayout::Interleaved), // offset not aligned to tiles
+            // (b, hq, hk, t, s, dk, dv, q_offset, maps)
+            (2, 4, 4, 77, 77, 8, 8, 0, il),
+            (1, 8, 4, 150, 150, 16, 16, 0, hv),     // GQA 2, two key tiles
+            (1, 12, 4, 300, 300, 8, 12, 0, hv),     // GQA 3, three tiles, dv != dk
+            (2, 4, 2, 37, 100, 5, 7, 63, hv),       // KV offset, odd head dims
+            (1, 4, 4, 1, 70, 8, 8, 69, il),         // one row against a cache
+            (1, 2, 2, 140, 290, 4, 4, 150, il),     // offset not aligned to tiles
+            (2, 8, 2, 150, 150, 8, 8, 0, Maps::V2), // diff-v2: two pairs per kv head, two tiles
+            (1, 2, 1, 37, 100, 5, 7, 63, Maps::V2), // diff-v2: KV offset, odd dims, dv != dk
+            (1, 12, 3, 1, 70, 8, 8, 69, Maps::V2),  // diff-v2: one row against a cache
         ];
-        for (b, hq, hk, t, s, dk, dv, off, layout) in cases {
-            let d = Dims { b, hq, hk, t, s, dk, dv: 2 * dv };
+        for (b, hq, hk, t, s, dk, dv, off, maps) in cases {
+            let width = if maps == Maps::V2 { dv } else { 2 * dv };
+            let d = Dims { b, hq, hk, t, s, dk, dv: width };
             let op = DiffAttn {
                 d,
-                layout,
+                maps,
                 scale: 0.3,
                 q_offset: off,
-                pairs_of: query_pairs_per_kv_pair(&d, layout).unwrap(),
+                pairs_of: query_pairs_per_task(&d, maps).unwrap(),
                 saved: Mutex::new(None),
             };
             let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
             let q = gen(b * hq * t * dk, 0.1);
             let k = gen(b * hk * s * dk, 0.2);
             let v = gen(b * hk * s * dv, 0.3);
-            let dz = gen(b * hq / 2 * t * 2 * dv, 0.4);
-            let (o, lse, _) = op.attend(&q, &k, &v);
-            let shared = op.backward(true, &q, &k, &v, 0.6, &o, &lse, &dz);
-            let composed = op.backward(false, &q, &k, &v, 0.6, &o, &lse, &dz);
-            let what = format!("{d:?} {layout:?} offset {off}");
+            let dz = gen(b * hq / 2 * t * width, 0.4);
+            let lambda: Vec<f64> = match maps {
+                Maps::V2 => gen(b * hq / 2 * t, 0.5).iter().map(|x| 0.5 + 0.4 * x).collect(),
+                Maps::V1(_) => vec![0.6],
+            };
+            let (o, lse) = op.attend(&q, &k, &v);
+            let shared = op.backward(true, &q, &k, &v, &lambda, &o, &lse, &dz);
+            let composed = op.backward(false, &q, &k, &v, &lambda, &o, &lse, &dz);
+            let what = format!("{d:?} {maps:?} offset {off}");
             for (name, a, w) in
                 [("dq", &shared.0, &composed.0), ("dk", &shared.1, &composed.1), ("dv", &shared.2, &composed.2)]
             {

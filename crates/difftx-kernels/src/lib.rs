@@ -48,7 +48,7 @@ mod swiglu;
 
 pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backend};
 pub use cross_entropy::cross_entropy;
-pub use diff_attention::diff_attention;
+pub use diff_attention::{diff_attention, diff_v2_attention};
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;
 pub use pair_values::pair_values;

@@ -1,5 +1,6 @@
-//! diff_attention (diff-v1's attention with the combination inside) against the composition of
-//! pair_values, flash_attention and diff_combine_pairs, and against f64 finite differences.
+//! diff_attention and diff_v2_attention (diff-v1's and diff-v2's attention with the combination
+//! inside) against the compositions of pair_values, flash_attention and diff_combine_pairs, and
+//! against f64 finite differences.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -130,6 +131,117 @@ fn bad_inputs_are_errors() -> Result<()> {
     Ok(())
 }
 
+/// diff-v2's composition: flash over all query heads, then pairs (2j, 2j+1) with a λ per position.
+fn composed_v2(q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor, scale: f64, off: usize) -> Result<Tensor> {
+    let o = difftx_kernels::flash_attention(q, k, v, scale, off)?;
+    difftx_kernels::diff_combine_pairs(&o, l, PairLayout::Interleaved)
+}
+
+/// (B, Hq, Hk, T, S, dk, dv, q_offset): every kv head serves an even number of query heads.
+type CaseV2 = (usize, usize, usize, usize, usize, usize, usize, usize);
+
+const CASES_V2: [CaseV2; 6] = [
+    (2, 4, 2, 77, 77, 8, 8, 0),     // T not a multiple of the tile, one pair per kv head
+    (1, 8, 2, 150, 150, 16, 16, 0), // two pairs per kv head, two key tiles
+    (1, 12, 2, 65, 65, 8, 12, 0),   // three pairs per kv head, dv != dk
+    (2, 4, 1, 37, 100, 5, 7, 63),   // KV offset, odd head dims
+    (1, 4, 2, 1, 70, 8, 8, 69),     // one row against a cache
+    (8, 16, 4, 40, 40, 8, 8, 0),    // bench-s's head layout, many tasks: shared maps
+];
+
+#[test]
+fn v2_matches_the_composition_forward_and_backward() -> Result<()> {
+    for (i, (b, hq, hk, t, s, dk, dv, off)) in CASES_V2.into_iter().enumerate() {
+        let seed = 100 + 10 * i as u64;
+        let scale = 1.0 / (dk as f64).sqrt();
+        for dt in [DType::F64, DType::F32] {
+            let q = Var::from_tensor(&rand_t(&[b, hq, t, dk], seed, 1.0, dt)?)?;
+            let k = Var::from_tensor(&rand_t(&[b, hk, s, dk], seed + 1, 1.0, dt)?)?;
+            let v = Var::from_tensor(&rand_t(&[b, hk, s, dv], seed + 2, 1.0, dt)?)?;
+            // λ in (0, 1) like a sigmoid's, one per pair and position
+            let l = Var::from_tensor(&((rand_t(&[b, hq / 2, t, 1], seed + 3, 1.0, dt)? * 0.4)? + 0.5)?)?;
+            let w = rand_t(&[b, hq / 2, t, dv], seed + 4, 1.0, dt)?;
+            let what = format!("{dt:?} v2 case {i}");
+            let zf = difftx_kernels::diff_v2_attention(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                l.as_tensor(),
+                scale,
+                off,
+            )?;
+            let zr = composed_v2(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), scale, off)?;
+            assert_eq!(zf.dims(), zr.dims(), "{what}");
+            let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
+            let e = rel_err(&zf, &zr);
+            assert!(e < tol, "{what}: forward {e}");
+            let gf = (&zf * &w)?.sum_all()?.backward()?;
+            let gr = (&zr * &w)?.sum_all()?.backward()?;
+            for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("lambda", &l)] {
+                let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
+                assert!(e < tol, "{what}: d{name} {e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn v2_backward_matches_finite_differences_f64() -> Result<()> {
+    // two pairs over one kv head, then one pair per kv head; keys before the queries
+    for (hq, hk) in [(4, 1), (4, 2)] {
+        let (b, t, dk, dv, off) = (1, 6, 3, 2, 2);
+        let s = t + off;
+        let q0 = rand_t(&[b, hq, t, dk], 41, 1.0, DType::F64)?;
+        let k0 = rand_t(&[b, hk, s, dk], 42, 1.0, DType::F64)?;
+        let v0 = rand_t(&[b, hk, s, dv], 43, 1.0, DType::F64)?;
+        let l0 = ((rand_t(&[b, hq / 2, t], 44, 1.0, DType::F64)? * 0.4)? + 0.5)?;
+        let w = rand_t(&[b, hq / 2, t, dv], 45, 1.0, DType::F64)?;
+        let loss = |q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor| -> Result<f64> {
+            (difftx_kernels::diff_v2_attention(q, k, v, l, 0.5, off)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
+        };
+        let (q, k, v, l) =
+            (Var::from_tensor(&q0)?, Var::from_tensor(&k0)?, Var::from_tensor(&v0)?, Var::from_tensor(&l0)?);
+        let z =
+            difftx_kernels::diff_v2_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), 0.5, off)?;
+        let g = (z.sqr()? * &w)?.sum_all()?.backward()?;
+        let checks = [
+            ("q", flat(g.get(q.as_tensor()).unwrap()), finite_diff(&q0, |x| loss(x, &k0, &v0, &l0), 1e-6)?),
+            ("k", flat(g.get(k.as_tensor()).unwrap()), finite_diff(&k0, |x| loss(&q0, x, &v0, &l0), 1e-6)?),
+            ("v", flat(g.get(v.as_tensor()).unwrap()), finite_diff(&v0, |x| loss(&q0, &k0, x, &l0), 1e-6)?),
+            ("lambda", flat(g.get(l.as_tensor()).unwrap()), finite_diff(&l0, |x| loss(&q0, &k0, &v0, x), 1e-6)?),
+        ];
+        for (name, an, nu) in checks {
+            let e = max_rel_vec(&an, &nu);
+            assert!(e < 1e-6, "Hq {hq} Hk {hk}: d{name} {e}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn v2_bad_inputs_are_errors() -> Result<()> {
+    let q = rand_t(&[1, 4, 3, 4], 1, 1.0, DType::F32)?;
+    let k = rand_t(&[1, 2, 3, 4], 2, 1.0, DType::F32)?;
+    let v = rand_t(&[1, 2, 3, 4], 3, 1.0, DType::F32)?;
+    let l = rand_t(&[1, 2, 3], 4, 1.0, DType::F32)?;
+    assert!(difftx_kernels::diff_v2_attention(&q, &k, &v, &l, 0.5, 0).is_ok());
+    // one query head per kv head: pair (0, 1) reads kv heads 0 and 1
+    let k4 = rand_t(&[1, 4, 3, 4], 5, 1.0, DType::F32)?;
+    let e = difftx_kernels::diff_v2_attention(&q, &k4, &k4, &l, 0.5, 0).unwrap_err();
+    assert!(e.to_string().contains("two kv heads"), "{e}");
+    // λ not one per pair and position, or of another dtype
+    let one = Tensor::new(&[0.5f32], &Device::Cpu)?;
+    let e = difftx_kernels::diff_v2_attention(&q, &k, &v, &one, 0.5, 0).unwrap_err();
+    assert!(e.to_string().contains("6 elements"), "{e}");
+    assert!(difftx_kernels::diff_v2_attention(&q, &k, &v, &l.to_dtype(DType::F64)?, 0.5, 0).is_err());
+    // odd query heads, mismatched head dims
+    let odd = rand_t(&[1, 3, 3, 4], 6, 1.0, DType::F32)?;
+    assert!(difftx_kernels::diff_v2_attention(&odd, &k, &v, &l, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_v2_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, 0.5, 0).is_err());
+    Ok(())
+}
+
 #[test]
 fn empty_inputs_give_empty_outputs() -> Result<()> {
     let l = Tensor::new(&[0.5f32], &Device::Cpu)?;
@@ -152,6 +264,13 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
         assert_eq!(g.get(v.as_tensor()).unwrap().dims(), v.dims());
         let pv = difftx_kernels::pair_values(v.as_tensor(), PairLayout::Interleaved)?;
         assert_eq!(pv.dims(), &[b, hk, s, 2 * d]);
+        // diff-v2: a pair per kv head
+        let l2 = Tensor::zeros((b, hq / 2, t), DType::F32, &Device::Cpu)?;
+        let (k2, v2) = (k.as_tensor().narrow(1, 0, hq / 2)?, v.as_tensor().narrow(1, 0, hq / 2)?);
+        let z2 = difftx_kernels::diff_v2_attention(q.as_tensor(), &k2, &v2, &l2, 0.5, 0)?;
+        assert_eq!(z2.dims(), &[b, hq / 2, t, d]);
+        let g = z2.sum_all()?.backward()?;
+        assert_eq!(g.get(q.as_tensor()).unwrap().dims(), q.dims());
     }
     Ok(())
 }
