@@ -45,7 +45,7 @@
 use crate::cpu::{storage_slice, with_slice};
 use crate::diff_combine::DiffCombinePairs;
 use crate::flash::{flash_bwd, flash_fwd, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
-use crate::float::Float;
+use crate::float::{exp_shifted, Float};
 use crate::pair_values::PairValues;
 use crate::PairLayout;
 use candle_core::backend::BackendStorage;
@@ -375,10 +375,7 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                     let row = r * BC..r * BC + nb;
                     let (pa, pb) = (&mut tl.pa[row.clone()], &mut tl.pb[row.clone()]);
                     for (e, l) in [(&mut *pa, x.lse[ra]), (&mut *pb, x.lse[rb])] {
-                        for v in e[..n].iter_mut() {
-                            *v -= l;
-                        }
-                        T::exp_inplace(&mut e[..n]);
+                        exp_shifted(&mut e[..n], l);
                         e[n..].fill(T::ZERO);
                     }
                     let minus_lambda = T::ZERO - x.lambda_at(bj, t0 + r);

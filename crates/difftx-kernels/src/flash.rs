@@ -36,7 +36,7 @@
 #![allow(clippy::too_many_arguments)]
 
 use crate::cpu::storage_slice;
-use crate::float::{max_slice, sum_slice, Float};
+use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -255,12 +255,8 @@ fn fwd_task<T: Float>(
 #[inline(always)]
 fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> T {
     let mx = max_slice(&s[..n], *m);
-    for x in s[..n].iter_mut() {
-        *x -= mx;
-    }
-    T::exp_inplace(&mut s[..n]);
+    let psum = exp_shifted_sum(&mut s[..n], mx);
     s[n..].fill(T::ZERO);
-    let psum = sum_slice(&s[..n]);
     let alpha = (*m - mx).exp(); // 0 on the first block (m = -inf), 1 when the max is unchanged
     *l = *l * alpha + psum;
     *m = mx;
@@ -463,10 +459,7 @@ fn bwd_tile<T: Float>(
         let n = (t0 + i + x.q_offset + 1).min(s0 + nb).saturating_sub(s0);
         let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
         let p = &mut st[i * BC..i * BC + nb];
-        for e in p[..n].iter_mut() {
-            *e -= lse;
-        }
-        T::exp_inplace(&mut p[..n]);
+        exp_shifted(&mut p[..n], lse);
         p[n..].fill(T::ZERO);
         let ds = &mut dpt[i * BC..i * BC + nb];
         for (g, &pj) in ds.iter_mut().zip(p.iter()) {

@@ -153,6 +153,39 @@ pub(crate) fn sum_slice<T: Float>(x: &[T]) -> T {
     s
 }
 
+/// `x ← exp(x − shift)` in place: one pass for the subtraction and `exp_inplace`.
+#[inline(always)]
+pub(crate) fn exp_shifted<T: Float>(x: &mut [T], shift: T) {
+    for v in x.iter_mut() {
+        *v = (*v - shift).exp();
+    }
+}
+
+/// `x ← exp(x − shift)` in place, returning the sum of the results: one pass for what the
+/// subtraction, `exp_inplace` and `sum_slice` do in three, with `sum_slice`'s lanes and order
+/// (the same bits).
+#[inline(always)]
+pub(crate) fn exp_shifted_sum<T: Float>(x: &mut [T], shift: T) -> T {
+    let mut acc = [T::ZERO; 8];
+    let mut it = x.chunks_exact_mut(8);
+    for c in &mut it {
+        for k in 0..8 {
+            let e = (c[k] - shift).exp();
+            c[k] = e;
+            acc[k] += e;
+        }
+    }
+    let mut s = T::ZERO;
+    for v in it.into_remainder() {
+        *v = (*v - shift).exp();
+        s += *v;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +205,29 @@ mod tests {
         assert_eq!(fast_exp_f32(-1000.0), 0.0);
         assert_eq!(fast_exp_f32(0.0), 1.0);
         assert!(fast_exp_f32(f32::NAN).is_nan());
+    }
+
+    /// The one-pass helpers give the bits of the passes they replace (subtract, `exp_inplace`,
+    /// `sum_slice`), at lengths around the 8 lanes.
+    #[test]
+    fn one_pass_exp_helpers_equal_the_separate_passes() {
+        fn check<T: Float + std::fmt::Debug>(gen: impl Fn(usize) -> T, shift: T) {
+            for n in [0, 1, 7, 8, 9, 16, 130] {
+                let x: Vec<T> = (0..n).map(&gen).collect();
+                let mut passes = x.clone();
+                for v in passes.iter_mut() {
+                    *v -= shift;
+                }
+                T::exp_inplace(&mut passes);
+                let (mut one, mut summed) = (x.clone(), x.clone());
+                exp_shifted(&mut one, shift);
+                let sum = exp_shifted_sum(&mut summed, shift);
+                assert_eq!(one, passes, "exp_shifted, n = {n}");
+                assert_eq!(summed, passes, "exp_shifted_sum values, n = {n}");
+                assert_eq!(sum, sum_slice(&passes), "exp_shifted_sum, n = {n}");
+            }
+        }
+        check(|i| (i as f32 * 0.37).sin() * 5.0, 1.25f32);
+        check(|i| (i as f64 * 0.37).sin() * 5.0, 1.25f64);
     }
 }
