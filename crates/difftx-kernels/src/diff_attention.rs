@@ -480,13 +480,13 @@ impl DiffAttn {
         // Touch dq's fresh pages here: their first-touch faults inside the parallel tasks made
         // them half again as slow (one bench-s layer, system allocator).
         dq.fill(T::ZERO);
-        // dλ = −Σ dz ∘ o_b, and the value both maps multiply
         let combine = self.combine();
-        let mut dout = vec![T::ZERO; o.len()];
         let mut dl = vec![T::ZERO; lambda.len()];
-        combine.bwd(o, lambda, dz, &mut dout, &mut dl);
         let values = self.values(v);
         if !shared {
+            // the combination's backward: every head's output gradient and dλ = −Σ dz ∘ o_b
+            let mut dout = vec![T::ZERO; o.len()];
+            combine.bwd(o, lambda, dz, &mut dout, &mut dl);
             match self.maps {
                 Maps::V1(_) => {
                     let mut dv2 = vec![T::ZERO; values.len()];
@@ -497,15 +497,11 @@ impl DiffAttn {
             }
             return (dq, dk, dv, dl);
         }
-        // delta per query head: dout_h · o_h, dout being dz for heads a and −λ·dz for heads b
+        // dλ, and delta per query head and position, rowsum(dout_h ∘ o_h) with dout being dz for
+        // heads a and −λ·dz for heads b, without forming dout: [B, Hq, T] is [outer, 2, inner/w]
+        // like the outputs
         let mut delta = vec![T::ZERO; d.b * d.hq * d.t];
-        delta.par_chunks_mut(d.t).enumerate().for_each(|(bh, dl)| {
-            let rows = &dout[bh * d.t * w..(bh + 1) * d.t * w];
-            let outs = &o[bh * d.t * w..(bh + 1) * d.t * w];
-            for ((e, g), y) in dl.iter_mut().zip(rows.chunks(w)).zip(outs.chunks(w)) {
-                *e = g.iter().zip(y).fold(T::ZERO, |acc, (&a, &b)| acc + a * b);
-            }
-        });
+        combine.bwd_row_sums(o, lambda, dz, w, &mut delta, &mut dl);
         let x = BwdIn {
             d: *d,
             layout: self.maps.layout(),

@@ -245,6 +245,55 @@ impl DiffCombinePairs {
     }
 }
 
+impl DiffCombinePairs {
+    /// What an attention backward needs from `bwd` without `dx` itself: dλ as `bwd` writes it
+    /// (the same bits), and per vector of `w` elements the row sums `Σ dx ∘ x` ("delta", flash's
+    /// `rowsum(dO ∘ O)`), viewed like `x` as `[outer, 2, inner/w]`: `Σ dz ∘ x_a` for the first
+    /// map, `−λ·Σ dz ∘ x_b` for the second. `w` must divide `inner` (the per-position λ's width
+    /// when there is one).
+    pub(crate) fn bwd_row_sums<T: Float>(&self, x: &[T], lam: &[T], dz: &[T], w: usize, delta: &mut [T], dl: &mut [T]) {
+        if self.inner == 0 || w == 0 {
+            return;
+        }
+        let n = self.inner / w;
+        // per-position dλ: each row's n elements; a scalar λ's is summed from the rows' parts below
+        let dl_rows: Vec<Option<&mut [T]>> = if self.width != 0 {
+            dl.chunks_mut(n).map(Some).collect()
+        } else {
+            (0..self.outer).map(|_| None).collect()
+        };
+        let parts: Vec<T> = delta
+            .par_chunks_mut(2 * n)
+            .zip(x.par_chunks(2 * self.inner).zip(dz.par_chunks(self.inner)))
+            .zip(dl_rows)
+            .enumerate()
+            .map(|(o, ((dr, (xr, g)), mut dlr))| {
+                let (da, db) = dr.split_at_mut(n);
+                let (a, b) = xr.split_at(self.inner);
+                // the whole row's Σ dz ∘ x_b in `bwd`'s order, for a scalar λ
+                let mut row = T::ZERO;
+                for (r, ((ga, xa), xb)) in g.chunks(w).zip(a.chunks(w)).zip(b.chunks(w)).enumerate() {
+                    let (mut sa, mut sb) = (T::ZERO, T::ZERO);
+                    for ((&gv, &u), &v) in ga.iter().zip(xa).zip(xb) {
+                        sa += gv * u;
+                        sb += gv * v;
+                        row += gv * v;
+                    }
+                    da[r] = sa;
+                    db[r] = T::ZERO - self.lambda_at(lam, o, r * w) * sb;
+                    if let Some(dlr) = dlr.as_deref_mut() {
+                        dlr[r] = T::ZERO - sb;
+                    }
+                }
+                row
+            })
+            .collect();
+        if self.width == 0 {
+            dl[0] = lambda_grad(parts);
+        }
+    }
+}
+
 impl CustomOp2 for DiffCombinePairs {
     fn name(&self) -> &'static str {
         "difftx-diff-combine-pairs"
@@ -302,5 +351,33 @@ impl CustomOp2 for DiffCombinePairs {
             dt => bail!("difftx-diff-combine-pairs: unsupported dtype {dt:?}"),
         };
         Ok((Some(dx), Some(dl)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `bwd_row_sums` gives `bwd`'s dλ bit for bit and the row sums of `bwd`'s dx against x, for
+    /// a scalar and a per-position λ in both pair layouts' row shapes.
+    #[test]
+    fn row_sums_match_the_backward() {
+        let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
+        // (outer, inner, w, per-position λ)
+        for (outer, inner, w, per_position) in [(6, 5 * 4, 4, false), (6, 5 * 4, 4, true), (2, 3 * 7 * 3, 3, false)] {
+            let op = DiffCombinePairs { outer, inner, width: if per_position { w } else { 0 } };
+            let n = inner / w;
+            let lam = if per_position { gen(outer * n, 0.9) } else { vec![0.6] };
+            let (x, dz) = (gen(outer * 2 * inner, 0.1), gen(outer * inner, 0.5));
+            let (mut dx, mut dl) = (vec![0.0; x.len()], vec![0.0; lam.len()]);
+            op.bwd(&x, &lam, &dz, &mut dx, &mut dl);
+            let (mut delta, mut dl2) = (vec![0.0; outer * 2 * n], vec![0.0; lam.len()]);
+            op.bwd_row_sums(&x, &lam, &dz, w, &mut delta, &mut dl2);
+            assert_eq!(dl, dl2, "dλ, outer {outer} inner {inner} w {w}");
+            for (k, &got) in delta.iter().enumerate() {
+                let want: f64 = dx[k * w..(k + 1) * w].iter().zip(&x[k * w..(k + 1) * w]).map(|(a, b)| a * b).sum();
+                assert!((got - want).abs() < 1e-12, "delta {k}: {got} vs {want}");
+            }
+        }
     }
 }
