@@ -18,7 +18,8 @@
 //!   straight from one attention output that holds both maps of every pair (no head split);
 //!   [`pair_values`] every head's value as its pair's two value heads side by side;
 //!   [`diff_attention`] all three in one op whose backward shares `dO·Vᵀ` and `dV` between the
-//!   two maps of a pair.
+//!   two maps of a pair; [`diff_v2_attention`] the same for diff-v2's pairs, which read one kv
+//!   head, with a λ per position.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
 //! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16), the
