@@ -22,6 +22,56 @@ fn composed(
     difftx_kernels::diff_combine_pairs(&o, l, layout)
 }
 
+/// An attention of `(q, k, v, λ)`, fused or composed.
+type Attn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+
+/// `fused` against `composed`: the output, and every input's gradient of `Σ w ∘ z`, within `tol`
+/// (relative).
+fn check_against_composition(
+    fused: Attn,
+    composed: Attn,
+    x: [&Var; 4],
+    w: &Tensor,
+    tol: f64,
+    what: &str,
+) -> Result<()> {
+    let [q, k, v, l] = x.map(|x| x.as_tensor());
+    let zf = fused(q, k, v, l)?;
+    let zr = composed(q, k, v, l)?;
+    assert_eq!(zf.dims(), zr.dims(), "{what}");
+    let e = rel_err(&zf, &zr);
+    assert!(e < tol, "{what}: forward {e}");
+    let gf = (&zf * w)?.sum_all()?.backward()?;
+    let gr = (&zr * w)?.sum_all()?.backward()?;
+    for (name, x) in ["q", "k", "v", "lambda"].into_iter().zip(x) {
+        let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
+        assert!(e < tol, "{what}: d{name} {e}");
+    }
+    Ok(())
+}
+
+/// `op`'s gradients of `Σ w ∘ z²` (f64) against central finite differences, within 1e-6.
+fn check_finite_differences(op: Attn, x0: [&Tensor; 4], w: &Tensor, what: &str) -> Result<()> {
+    let [q0, k0, v0, l0] = x0;
+    let loss = |q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor| -> Result<f64> {
+        (op(q, k, v, l)?.sqr()? * w)?.sum_all()?.to_scalar::<f64>()
+    };
+    let [q, k, v, l] = [Var::from_tensor(q0)?, Var::from_tensor(k0)?, Var::from_tensor(v0)?, Var::from_tensor(l0)?];
+    let z = op(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor())?;
+    let g = (z.sqr()? * w)?.sum_all()?.backward()?;
+    let checks = [
+        ("q", flat(g.get(q.as_tensor()).unwrap()), finite_diff(q0, |x| loss(x, k0, v0, l0), 1e-6)?),
+        ("k", flat(g.get(k.as_tensor()).unwrap()), finite_diff(k0, |x| loss(q0, x, v0, l0), 1e-6)?),
+        ("v", flat(g.get(v.as_tensor()).unwrap()), finite_diff(v0, |x| loss(q0, k0, x, l0), 1e-6)?),
+        ("lambda", flat(g.get(l.as_tensor()).unwrap()), finite_diff(l0, |x| loss(q0, k0, v0, x), 1e-6)?),
+    ];
+    for (name, an, nu) in checks {
+        let e = max_rel_vec(&an, &nu);
+        assert!(e < 1e-6, "{what}: d{name} {e}");
+    }
+    Ok(())
+}
+
 /// (B, Hq, Hk, T, S, dk, dv, q_offset, layout)
 type Case = (usize, usize, usize, usize, usize, usize, usize, usize, PairLayout);
 
@@ -47,26 +97,15 @@ fn matches_the_composition_forward_and_backward() -> Result<()> {
             let l = Var::from_tensor(&Tensor::new(&[0.6f64 - 0.1 * i as f64], &Device::Cpu)?.to_dtype(dt)?)?;
             let w = rand_t(&[b, hq / 2, t, 2 * dv], seed + 3, 1.0, dt)?;
             let what = format!("{dt:?} case {i} {layout:?}");
-            let zf = difftx_kernels::diff_attention(
-                q.as_tensor(),
-                k.as_tensor(),
-                v.as_tensor(),
-                l.as_tensor(),
-                layout,
-                scale,
-                off,
-            )?;
-            let zr = composed(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), layout, scale, off)?;
-            assert_eq!(zf.dims(), zr.dims(), "{what}");
             let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
-            let e = rel_err(&zf, &zr);
-            assert!(e < tol, "{what}: forward {e}");
-            let gf = (&zf * &w)?.sum_all()?.backward()?;
-            let gr = (&zr * &w)?.sum_all()?.backward()?;
-            for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("lambda", &l)] {
-                let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
-                assert!(e < tol, "{what}: d{name} {e}");
-            }
+            check_against_composition(
+                &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, scale, off),
+                &|q, k, v, l| composed(q, k, v, l, layout, scale, off),
+                [&q, &k, &v, &l],
+                &w,
+                tol,
+                &what,
+            )?;
         }
     }
     Ok(())
@@ -82,31 +121,12 @@ fn backward_matches_finite_differences_f64() -> Result<()> {
         let v0 = rand_t(&[b, hk, s, dv], 33, 1.0, DType::F64)?;
         let l0 = Tensor::new(&[0.45f64], &Device::Cpu)?;
         let w = rand_t(&[b, hq / 2, t, 2 * dv], 34, 1.0, DType::F64)?;
-        let loss = |q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor| -> Result<f64> {
-            (difftx_kernels::diff_attention(q, k, v, l, layout, 0.5, off)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
-        };
-        let (q, k, v, l) =
-            (Var::from_tensor(&q0)?, Var::from_tensor(&k0)?, Var::from_tensor(&v0)?, Var::from_tensor(&l0)?);
-        let z = difftx_kernels::diff_attention(
-            q.as_tensor(),
-            k.as_tensor(),
-            v.as_tensor(),
-            l.as_tensor(),
-            layout,
-            0.5,
-            off,
+        check_finite_differences(
+            &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, 0.5, off),
+            [&q0, &k0, &v0, &l0],
+            &w,
+            &format!("{layout:?}"),
         )?;
-        let g = (z.sqr()? * &w)?.sum_all()?.backward()?;
-        let checks = [
-            ("q", flat(g.get(q.as_tensor()).unwrap()), finite_diff(&q0, |x| loss(x, &k0, &v0, &l0), 1e-6)?),
-            ("k", flat(g.get(k.as_tensor()).unwrap()), finite_diff(&k0, |x| loss(&q0, x, &v0, &l0), 1e-6)?),
-            ("v", flat(g.get(v.as_tensor()).unwrap()), finite_diff(&v0, |x| loss(&q0, &k0, x, &l0), 1e-6)?),
-            ("lambda", flat(g.get(l.as_tensor()).unwrap()), finite_diff(&l0, |x| loss(&q0, &k0, &v0, x), 1e-6)?),
-        ];
-        for (name, an, nu) in checks {
-            let e = max_rel_vec(&an, &nu);
-            assert!(e < 1e-6, "{layout:?}: d{name} {e}");
-        }
     }
     Ok(())
 }
@@ -162,25 +182,15 @@ fn v2_matches_the_composition_forward_and_backward() -> Result<()> {
             let l = Var::from_tensor(&((rand_t(&[b, hq / 2, t, 1], seed + 3, 1.0, dt)? * 0.4)? + 0.5)?)?;
             let w = rand_t(&[b, hq / 2, t, dv], seed + 4, 1.0, dt)?;
             let what = format!("{dt:?} v2 case {i}");
-            let zf = difftx_kernels::diff_v2_attention(
-                q.as_tensor(),
-                k.as_tensor(),
-                v.as_tensor(),
-                l.as_tensor(),
-                scale,
-                off,
-            )?;
-            let zr = composed_v2(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), scale, off)?;
-            assert_eq!(zf.dims(), zr.dims(), "{what}");
             let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
-            let e = rel_err(&zf, &zr);
-            assert!(e < tol, "{what}: forward {e}");
-            let gf = (&zf * &w)?.sum_all()?.backward()?;
-            let gr = (&zr * &w)?.sum_all()?.backward()?;
-            for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("lambda", &l)] {
-                let e = rel_err(gf.get(x.as_tensor()).unwrap(), gr.get(x.as_tensor()).unwrap());
-                assert!(e < tol, "{what}: d{name} {e}");
-            }
+            check_against_composition(
+                &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, scale, off),
+                &|q, k, v, l| composed_v2(q, k, v, l, scale, off),
+                [&q, &k, &v, &l],
+                &w,
+                tol,
+                &what,
+            )?;
         }
     }
     Ok(())
@@ -197,24 +207,12 @@ fn v2_backward_matches_finite_differences_f64() -> Result<()> {
         let v0 = rand_t(&[b, hk, s, dv], 43, 1.0, DType::F64)?;
         let l0 = ((rand_t(&[b, hq / 2, t], 44, 1.0, DType::F64)? * 0.4)? + 0.5)?;
         let w = rand_t(&[b, hq / 2, t, dv], 45, 1.0, DType::F64)?;
-        let loss = |q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor| -> Result<f64> {
-            (difftx_kernels::diff_v2_attention(q, k, v, l, 0.5, off)?.sqr()? * &w)?.sum_all()?.to_scalar::<f64>()
-        };
-        let (q, k, v, l) =
-            (Var::from_tensor(&q0)?, Var::from_tensor(&k0)?, Var::from_tensor(&v0)?, Var::from_tensor(&l0)?);
-        let z =
-            difftx_kernels::diff_v2_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), l.as_tensor(), 0.5, off)?;
-        let g = (z.sqr()? * &w)?.sum_all()?.backward()?;
-        let checks = [
-            ("q", flat(g.get(q.as_tensor()).unwrap()), finite_diff(&q0, |x| loss(x, &k0, &v0, &l0), 1e-6)?),
-            ("k", flat(g.get(k.as_tensor()).unwrap()), finite_diff(&k0, |x| loss(&q0, x, &v0, &l0), 1e-6)?),
-            ("v", flat(g.get(v.as_tensor()).unwrap()), finite_diff(&v0, |x| loss(&q0, &k0, x, &l0), 1e-6)?),
-            ("lambda", flat(g.get(l.as_tensor()).unwrap()), finite_diff(&l0, |x| loss(&q0, &k0, &v0, x), 1e-6)?),
-        ];
-        for (name, an, nu) in checks {
-            let e = max_rel_vec(&an, &nu);
-            assert!(e < 1e-6, "Hq {hq} Hk {hk}: d{name} {e}");
-        }
+        check_finite_differences(
+            &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, 0.5, off),
+            [&q0, &k0, &v0, &l0],
+            &w,
+            &format!("Hq {hq} Hk {hk}"),
+        )?;
     }
     Ok(())
 }
