@@ -322,6 +322,26 @@ impl ModelConfig {
         }
     }
 
+    /// Training FLOPs per token of a sequence of `seq_len` tokens (see [`TrainingFlops`]).
+    /// Attention per query map and layer: `(seq_len + 1) / 2` keys on average, each costing
+    /// `2·d` for the score and `2·w` for its weighted value of width `w`: d for baseline and
+    /// diff-v2, 2d for diff-v1 (a map weighs its pair's two value heads side by side).
+    pub fn training_flops_per_token(&self, seq_len: usize) -> TrainingFlops {
+        let s = self.attention_shapes();
+        let c = self.param_counts();
+        let lambda_proj = self.n_layers * self.d_model * s.lambda_proj_out.unwrap_or(0);
+        // A tied LM head is still a product with the (embedding) matrix.
+        let head = self.vocab_size * self.d_model;
+        let weights = c.attention_projections + lambda_proj + c.mlp + head;
+        let value_width = if self.family == Family::DiffV1 { 2 * s.head_dim } else { s.head_dim };
+        let mean_keys = (seq_len as f64 + 1.0) / 2.0;
+        let forward_per_map = mean_keys * 2.0 * (s.head_dim + value_width) as f64;
+        TrainingFlops {
+            linear: 3.0 * 2.0 * weights as f64,
+            attention: 3.0 * (self.n_layers * s.n_q) as f64 * forward_per_map,
+        }
+    }
+
     /// Parameter count by component, computed from shapes (matches the built model).
     pub fn param_counts(&self) -> ParamCounts {
         let d_model = self.d_model;
@@ -375,6 +395,25 @@ impl AttentionShapes {
     /// Lambda vectors and sub-layer norm gain (diff-v1), lambda projection (diff-v2).
     pub fn extra_params(&self, d_model: usize) -> usize {
         4 * self.lambda_vec.unwrap_or(0) + self.subln_gain.unwrap_or(0) + d_model * self.lambda_proj_out.unwrap_or(0)
+    }
+}
+
+/// The arithmetic of one training step per token, in FLOPs (a multiply-add is 2), counted the
+/// usual model-FLOPs way: the backward costs twice the forward, nothing is recomputed, and
+/// element-wise work (norms, softmax, RoPE, λ, SwiGLU's gate) is left out. What a kernel really
+/// does can be more (flash attention recomputes its scores in the backward and computes whole
+/// diagonal tiles), so achieved FLOP/s from these counts is a lower bound on the kernels' own.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TrainingFlops {
+    /// Products with weights: q, k, v, o (and diff-v2's λ projection), the MLP, the LM head.
+    pub linear: f64,
+    /// Causal attention: query t against its t + 1 visible keys, `q·k` and the weighted values.
+    pub attention: f64,
+}
+
+impl TrainingFlops {
+    pub fn total(&self) -> f64 {
+        self.linear + self.attention
     }
 }
 
@@ -437,6 +476,43 @@ mod tests {
         assert!(s.contains("\"diff-v2\""));
         let back: ModelConfig = serde_json::from_str(&s).unwrap();
         assert_eq!(c, back);
+    }
+
+    /// The linear FLOPs are 6 per weight of every matrix the model multiplies by (counted from
+    /// `param_specs`, the embedding standing in for a tied head); the attention FLOPs equal a
+    /// brute-force sum over query positions; on bench-s the attention arithmetic of diff-v1 and
+    /// diff-v2 is 1.5 and 2 times the baseline's with the same linear arithmetic (+ λ_proj).
+    #[test]
+    fn training_flops_count_every_product() {
+        for family in Family::ALL {
+            for cfg in [
+                ModelConfig::preset("bench-s", family).unwrap(),
+                ModelConfig { n_kv_heads: 4, tie_embeddings: true, ..ModelConfig::preset("tiny", family).unwrap() },
+                ModelConfig { head_dim: Some(10), ..ModelConfig::preset("tiny", family).unwrap() },
+            ] {
+                let specs = crate::model::param_specs(&cfg);
+                let matrix = |s: &crate::model::ParamSpec| s.shape.len() == 2 && !s.name.contains("embed_tokens");
+                let mut weights: usize = specs.iter().filter(|s| matrix(s)).map(|s| s.shape[0] * s.shape[1]).sum();
+                if cfg.tie_embeddings {
+                    weights += cfg.vocab_size * cfg.d_model;
+                }
+                let t = 37;
+                let f = cfg.training_flops_per_token(t);
+                assert_eq!(f.linear, 6.0 * weights as f64, "{family} linear");
+                let s = cfg.attention_shapes();
+                let w = if family == Family::DiffV1 { 2 * s.head_dim } else { s.head_dim };
+                let keys: usize = (0..t).map(|q| q + 1).sum();
+                let forward = cfg.n_layers * s.n_q * keys * 2 * (s.head_dim + w);
+                assert!((f.attention * t as f64 - 3.0 * forward as f64).abs() < 1e-6, "{family} attention");
+                assert_eq!(f.total(), f.linear + f.attention);
+            }
+        }
+        let flops = |f| ModelConfig::preset("bench-s", f).unwrap().training_flops_per_token(256);
+        let (b, v1, v2) = (flops(Family::Baseline), flops(Family::DiffV1), flops(Family::DiffV2));
+        assert_eq!(v1.attention, 1.5 * b.attention);
+        assert_eq!(v2.attention, 2.0 * b.attention);
+        assert_eq!(v1.linear, b.linear);
+        assert_eq!(v2.linear - b.linear, 6.0 * (6 * 256 * 8) as f64);
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod tokenizer;
 
 pub use config::{Family, HeadPairing, ModelConfig, RopeStyle};
 pub use difftx_kernels::decode::WeightPrecision;
+pub use difftx_kernels::profile;
 pub use model::decode::{Decoder, SequenceCache};
 pub use model::{KvCache, Model, Probe, RunOptions, WeightFormat};
 pub use ops::{Kernels, Precision};

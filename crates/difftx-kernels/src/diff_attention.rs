@@ -623,11 +623,11 @@ impl CustomOp3 for DiffAttn {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match s1.dtype() {
+        crate::profile::timed_attention(crate::profile::Pass::Forward, || match s1.dtype() {
             DType::F32 => fwd_typed::<f32>(self, s1, l1, s2, l2, s3, l3),
             DType::F64 => fwd_typed::<f64>(self, s1, l1, s2, l2, s3, l3),
             dt => bail!("difftx-diff-attention: unsupported dtype {dt:?}"),
-        }
+        })
     }
 
     fn bwd(
@@ -639,11 +639,11 @@ impl CustomOp3 for DiffAttn {
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dz = grad_res.to_dtype(q.dtype())?;
-        let (dq, dk, dvl) = match q.dtype() {
-            DType::F32 => bwd_typed::<f32>(self, q, k, vl, &dz)?,
-            DType::F64 => bwd_typed::<f64>(self, q, k, vl, &dz)?,
+        let (dq, dk, dvl) = crate::profile::timed_attention(crate::profile::Pass::Backward, || match q.dtype() {
+            DType::F32 => bwd_typed::<f32>(self, q, k, vl, &dz),
+            DType::F64 => bwd_typed::<f64>(self, q, k, vl, &dz),
             dt => bail!("difftx-diff-attention: unsupported dtype {dt:?}"),
-        };
+        })?;
         Ok((Some(dq), Some(dk), Some(dvl)))
     }
 }

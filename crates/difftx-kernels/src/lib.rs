@@ -26,6 +26,7 @@
 //!   linear layers of `--precision bf16`; [`bf16_matmul`] holds the slice-level kernels.
 //! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
 //!   row, SwiGLU) for the fused decoder; inference only, no backward.
+//! * [`profile`]: the time spent in the attention ops so far (benchmarks break a step down with it).
 //!
 //! What it must not touch: no model, no configuration, no I/O, no checkpoints, no allocator
 //! choices. Everything is a pure function of its input tensors. Each kernel is written as plain
@@ -42,6 +43,7 @@ mod diff_combine;
 mod flash;
 mod float;
 mod pair_values;
+pub mod profile;
 mod rms_norm;
 mod rope;
 mod softmax;

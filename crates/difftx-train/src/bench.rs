@@ -19,7 +19,13 @@
 //!   fresh child process (the caller says how to start it) so that its peak resident memory
 //!   (`VmHWM`) is its own; the figure includes the process baseline (binary, allocator, the
 //!   one-layer model and the input), which is reported separately as `rss_before_forward_mib`.
-//! * `ratios`: DIFF (diff-v1, diff-v2) over baseline step times / decode times.
+//! * `ratios`: DIFF (diff-v1, diff-v2) over baseline step times / decode times, and over the
+//!   baseline's model FLOPs per training step (`ModelConfig::training_flops_per_token`): the step
+//!   time ratio that kernels running every product at one speed would give. Each training report
+//!   has its step's model GFLOP (linear layers, attention), the time its steps spent in the
+//!   attention kernels (`difftx_core::profile`) and the model GFLOP/s achieved by the whole
+//!   step, inside the attention kernels and outside them (attention's FLOPs over its time, the
+//!   linear layers' over the rest: element-wise work counts as time but not as FLOPs).
 //!
 //! Threads: `difftx bench` sets `CANDLE_NUM_THREADS=1` (candle's spinning barrier pool for
 //! element-wise ops otherwise competes with rayon's gemm and kernel threads: on the shared
@@ -31,6 +37,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::generate::{generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
+use difftx_core::profile::{attention_time, Pass};
 use difftx_core::{Decoder, SequenceCache, WeightPrecision};
 use difftx_core::{Family, Kernels, ModelConfig, Precision};
 use rand::{Rng, SeedableRng};
@@ -205,6 +212,9 @@ struct TrainBench {
     precision: Precision,
     phases: Phases,
     step_secs: Vec<f64>,
+    /// Time of the timed steps inside the attention kernels (`difftx_core::profile`), forward
+    /// and backward.
+    attention_secs: [f64; 2],
     last_loss: f64,
 }
 
@@ -227,6 +237,7 @@ impl TrainBench {
             precision,
             phases,
             step_secs: Vec::new(),
+            attention_secs: [0.0; 2],
             last_loss: f64::NAN,
         })
     }
@@ -239,10 +250,14 @@ impl TrainBench {
         let (xs, ys) = (Tensor::from_vec(x, (b, t), &dev)?, Tensor::from_vec(y, (b, t), &dev)?);
         let mut untimed = Phases::default();
         let phases = if timed { &mut self.phases } else { &mut untimed };
-        let t0 = Instant::now();
+        let passes = [Pass::Forward, Pass::Backward];
+        let (t0, attention0) = (Instant::now(), passes.map(attention_time));
         self.last_loss = train_step(&self.model, &self.vars, &mut self.opt, &xs, &ys, 1e-3, phases)?;
         if timed {
             self.step_secs.push(t0.elapsed().as_secs_f64());
+            for (i, pass) in passes.into_iter().enumerate() {
+                self.attention_secs[i] += (attention_time(pass) - attention0[i]).as_secs_f64();
+            }
         }
         Ok(())
     }
@@ -255,8 +270,23 @@ impl TrainBench {
         let n = steps.max(1) as f64;
         let ms = |s: f64| (s / n * 1e4).round() / 10.0;
         let ph = &self.phases;
+        let flops = self.cfg.training_flops_per_token(t);
+        let tokens = (b * t * steps) as f64;
+        let gflop = |f: f64| (f * (b * t) as f64 / 1e7).round() / 100.0;
+        let gflops = |f: f64, secs: f64| (secs > 0.0).then(|| (f * tokens / secs / 1e8).round() / 10.0);
+        // The reference kernels compose attention from candle ops, which the profile does not see.
+        let attention_secs: f64 = self.attention_secs.iter().sum();
+        let attention = (attention_secs > 0.0).then_some(attention_secs);
         json!({
-            "tokens_per_sec": ((b * t * steps) as f64 / total).round(),
+            "tokens_per_sec": (tokens / total).round(),
+            "model_gflop_per_step": {"linear": gflop(flops.linear), "attention": gflop(flops.attention)},
+            "model_gflops_per_sec": {
+                "step": gflops(flops.total(), total),
+                "attention_kernels": attention.and_then(|a| gflops(flops.attention, a)),
+                "outside_attention_kernels": attention.and_then(|a| gflops(flops.linear, total - a)),
+            },
+            "attention_kernels_ms_mean": attention.map(|_| json!({"forward": ms(self.attention_secs[0]), "backward": ms(self.attention_secs[1])})),
+            "attention_kernels_share_of_step": attention.map(|a| (a / total * 1000.0).round() / 1000.0),
             "step_ms_mean": ms(total),
             "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
             "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
@@ -542,9 +572,12 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     }
     let mut ratios = Map::new();
     if let Some(base) = train.get("baseline") {
-        for f in ["diff-v1", "diff-v2"] {
-            if let Some(d) = train.get(f) {
+        let flops = |f| Ok::<_, anyhow::Error>(bench_config(opts, f)?.training_flops_per_token(opts.seq_len).total());
+        for f in [Family::DiffV1, Family::DiffV2] {
+            if let Some(d) = train.get(f.as_str()) {
                 ratios.insert(format!("train_step_time_{f}_over_baseline"), json!(ratio(d, base, "step_ms_mean")));
+                let r = flops(f)? / flops(Family::Baseline)?;
+                ratios.insert(format!("train_model_flops_{f}_over_baseline"), json!((r * 1000.0).round() / 1000.0));
             }
         }
     }

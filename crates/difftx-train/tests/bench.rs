@@ -14,9 +14,26 @@ fn quick_bench_reports_every_part() {
         assert!(loss > 4.0 && loss < 7.0, "{f}: loss {loss}");
         assert_eq!(r["decode"][f]["new_tokens"].as_u64(), Some(opts.decode_tokens as u64));
         assert!(r["decode"][f]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+        // The fused kernels' attention time is a part of the step, forward and backward.
+        let share = r["train"][f]["attention_kernels_share_of_step"].as_f64().unwrap();
+        assert!(share > 0.0 && share < 1.0, "{f}: attention share {share}");
+        for pass in ["forward", "backward"] {
+            assert!(r["train"][f]["attention_kernels_ms_mean"][pass].as_f64().unwrap() > 0.0, "{f} {pass}");
+        }
+        let gflops = &r["train"][f]["model_gflops_per_sec"];
+        for part in ["step", "attention_kernels", "outside_attention_kernels"] {
+            assert!(gflops[part].as_f64().unwrap() > 0.0, "{f} {part}");
+        }
     }
-    assert!(r["train_reference_kernels"]["diff-v1"]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+    let reference = &r["train_reference_kernels"]["diff-v1"];
+    assert!(reference["tokens_per_sec"].as_f64().unwrap() > 0.0);
+    // Composed candle ops: no attention kernel ran, so no attention time is claimed.
+    assert!(reference["attention_kernels_ms_mean"].is_null());
     assert!(r["ratios"]["train_step_time_diff-v1_over_baseline"].as_f64().unwrap() > 0.0);
+    for f in ["diff-v1", "diff-v2"] {
+        let flops = r["ratios"][format!("train_model_flops_{f}_over_baseline")].as_f64().unwrap();
+        assert!(flops > 1.0 && flops < 1.5, "{f}: {flops}");
+    }
     for f in ["baseline", "diff-v1"] {
         let rows = r["attn_long"][f].as_array().unwrap();
         assert_eq!(rows.len(), opts.attn_lengths.len());
