@@ -92,10 +92,7 @@ impl Float for f64 {
     }
 }
 
-/// Branch-free exp for f32. Inputs below -87 (including -inf) return 0, inputs above 88 saturate
-/// at exp(88); NaN stays NaN. Written with selects and integer bit tricks only (no calls, no
-/// saturating float->int casts) so loops over it vectorise.
-/// `exp(x)` for f32: [`fast_exp_f32_with::<false>`].
+/// `exp(x)` for f32 with separate multiplies and adds: [`fast_exp_f32_with::<false>`].
 #[inline(always)]
 pub(crate) fn fast_exp_f32(x: f32) -> f32 {
     fast_exp_f32_with::<false>(x)
@@ -111,7 +108,9 @@ fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// `exp(x)` for f32, branch-free so that loops of it vectorise: Cody-Waite range reduction and a
+/// Branch-free exp for f32. Inputs below -87 (including -inf) return 0, inputs above 88 saturate
+/// at exp(88); NaN stays NaN. Written with selects and integer bit tricks only (no calls, no
+/// saturating float->int casts) so loops over it vectorise: Cody-Waite range reduction and a
 /// degree-7 Taylor polynomial (max relative error ~2e-7 either way). With `FUSED` every
 /// multiply-add of the reduction and the polynomial is one FMA: 10 instructions fewer per vector
 /// where the code is compiled with FMA (flash's and the differential ops' per-ISA variants);
@@ -126,9 +125,11 @@ pub(crate) fn fast_exp_f32_with<const FUSED: bool>(x: f32) -> f32 {
     let xc = x.max(-87.0).min(88.0); // maxnum/minnum: NaN becomes -87 here, restored below
     let t = madd::<FUSED>(xc, LOG2E, MAGIC);
     let n = t - MAGIC;
-    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32); // == n as i32
-    let r = madd::<FUSED>(-n, LN2_LO, madd::<FUSED>(-n, LN2_HI, xc)); // |r| <= ~0.347
-                                                                      // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35), Horner's rule.
+    // n as an i32, read from the bits (no saturating cast)
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    // r = x − n·ln 2 in two parts, |r| <= ~0.347.
+    let r = madd::<FUSED>(-n, LN2_LO, madd::<FUSED>(-n, LN2_HI, xc));
+    // exp(r) by Taylor to degree 7 (truncation error < 1e-8 on |r| <= 0.35), Horner's rule.
     const C: [f32; 8] = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
     let mut p = C[0];
     for &c in &C[1..] {
@@ -145,6 +146,7 @@ pub(crate) fn fast_exp_f32_with<const FUSED: bool>(x: f32) -> f32 {
     }
 }
 
+/// Maximum of a slice (`-inf` when empty), over 8 lanes so it vectorises.
 #[inline(always)]
 pub(crate) fn max_slice<T: Float>(x: &[T], init: T) -> T {
     let mut acc = [init; 8];
