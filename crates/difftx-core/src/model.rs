@@ -481,7 +481,8 @@ impl Attention {
                 let (k1, k2) = ops::split_pairs(k, self.pairing)?; // [B, Hkv/2, S, d] each
                 let v = self.pair_values(v)?; // [B, Hkv/2, S, 2d]
                 let lambda = diff.lambda()?; // [1]
-                                             // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
+
+                // (A1 − λ·A2) V = A1 V − λ·A2 V                              [B, H/2, T, 2d]
                 let o1 = self.attend(&q1, &k1, &v, step)?;
                 let o2 = self.attend(&q2, &k2, &v, step)?;
                 let o = ops::diff_combine(&o1, &o2, &lambda, step.opts.kernels)?;
@@ -495,9 +496,9 @@ impl Attention {
                     // between the two maps of a pair, which read one kv head (docs/design.md §5).
                     return ops::diff_v2_attention(q, k, v, &lambda, self.scale(), step.offset, step.opts.kernels);
                 }
-                // One attention over all 2H query heads; pair j = heads (2j, 2j+1).
-                let o = self.attend(q, k, v, step)?; // [B, 2H, T, d]
-                                                     // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
+                // One attention over all 2H query heads; pair j = heads (2j, 2j+1)      [B, 2H, T, d]
+                let o = self.attend(q, k, v, step)?;
+                // O_j = attn_{2j} − λ_{t,j}·attn_{2j+1}                              [B, H, T, d]
                 ops::diff_combine_pairs(&o, &lambda, HeadPairing::Interleaved, step.opts.kernels)
             }
         }

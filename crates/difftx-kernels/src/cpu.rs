@@ -3,6 +3,23 @@
 use crate::float::Float;
 use candle_core::{bail, CpuStorage, Layout, Result, Storage, Tensor};
 
+/// The instruction-set level of the hand-written kernels' variants that this CPU runs, capped at
+/// `max` (tests pick lower levels): 0 plain code, 1 AVX2 + FMA, 2 AVX-512F (with AVX2 and FMA).
+pub(crate) fn isa_level(max: u8) -> u8 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+        if max >= 2 && avx2 && std::is_x86_feature_detected!("avx512f") {
+            return 2;
+        }
+        if max >= 1 && avx2 {
+            return 1;
+        }
+    }
+    let _ = max;
+    0
+}
+
 /// Rows per rayon task so that each task touches at least ~`elems` elements.
 pub(crate) fn min_rows(row_len: usize, elems: usize) -> usize {
     (elems / row_len.max(1)).max(1)

@@ -27,22 +27,6 @@ const MIN_MACS_PER_TASK: usize = 512 * 1024;
 /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
 pub const ISA_BEST: u8 = 2;
 
-/// The best level this CPU supports, capped at `max`.
-fn level(max: u8) -> u8 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-        if max >= 2 && avx2 && std::is_x86_feature_detected!("avx512f") {
-            return 2;
-        }
-        if max >= 1 && avx2 {
-            return 1;
-        }
-    }
-    let _ = max;
-    0
-}
-
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
     use super::Element;
@@ -275,8 +259,8 @@ isa_variants!(base, false, 4, 16);
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
     ($isa:expr, $f:ident($($a:expr),*)) => {{
-        match level($isa) {
-            // SAFETY: `level` returned 2 / 1 only after checking the CPU has those features.
+        match crate::cpu::isa_level($isa) {
+            // SAFETY: `isa_level` returned 2 / 1 only after checking the CPU has those features.
             #[cfg(target_arch = "x86_64")]
             2 => unsafe { avx512::$f($($a),*) },
             #[cfg(target_arch = "x86_64")]

@@ -431,19 +431,15 @@ mod simd {
 
     /// The task compiled for the best instruction set this CPU has.
     pub(super) fn pick<T: Float>() -> TaskFn<T> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-            if avx2 && std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU supports the enabled features (checked just above).
-                return |x, kv, g, tl| unsafe { task_avx512(x, kv, g, tl) };
-            }
-            if avx2 {
-                // SAFETY: the CPU supports the enabled features (checked just above).
-                return |x, kv, g, tl| unsafe { task_avx2(x, kv, g, tl) };
-            }
+        match crate::cpu::isa_level(2) {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            #[cfg(target_arch = "x86_64")]
+            2 => |x, kv, g, tl| unsafe { task_avx512(x, kv, g, tl) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            1 => |x, kv, g, tl| unsafe { task_avx2(x, kv, g, tl) },
+            _ => |x, kv, g, tl| pair_task(x, kv, g, tl),
         }
-        |x, kv, g, tl| pair_task(x, kv, g, tl)
     }
 }
 

@@ -754,37 +754,29 @@ mod simd {
     variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2, group_avx2);
     variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512, group_avx512);
 
-    #[cfg(target_arch = "x86_64")]
-    fn has_avx512() -> bool {
-        std::is_x86_feature_detected!("avx512f") && has_avx2()
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn has_avx2() -> bool {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-
     /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. `max` caps the choice (tests).
     pub(super) const BEST: u8 = 2;
 
     pub(super) fn pick_fwd<T: Float>(max: u8) -> FwdFn<T> {
+        let level = crate::cpu::isa_level(max);
         #[cfg(target_arch = "x86_64")]
-        if max >= 2 && has_avx512() {
-            // SAFETY: the CPU supports the enabled features (checked just above).
+        if level == 2 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) };
         }
         #[cfg(target_arch = "x86_64")]
-        if max >= 1 && has_avx2() {
-            // SAFETY: the CPU supports the enabled features (checked just above).
+        if level == 1 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) };
         }
         |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
     }
 
     pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>, GroupFn<T>) {
+        let level = crate::cpu::isa_level(max);
         #[cfg(target_arch = "x86_64")]
-        if max >= 2 && has_avx512() {
-            // SAFETY: the CPU supports the enabled features (checked just above).
+        if level == 2 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx512(x, b, g, s0, nb, dkb, dvb, sc) },
                 |x, bh, t0, dqb, sc| unsafe { q_avx512(x, bh, t0, dqb, sc) },
@@ -792,8 +784,8 @@ mod simd {
             );
         }
         #[cfg(target_arch = "x86_64")]
-        if max >= 1 && has_avx2() {
-            // SAFETY: the CPU supports the enabled features (checked just above).
+        if level == 1 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return (
                 |x, b, g, s0, nb, dkb, dvb, sc| unsafe { kv_avx2(x, b, g, s0, nb, dkb, dvb, sc) },
                 |x, bh, t0, dqb, sc| unsafe { q_avx2(x, bh, t0, dqb, sc) },
