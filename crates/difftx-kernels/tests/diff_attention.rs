@@ -75,7 +75,7 @@ fn check_finite_differences(op: Attn, x0: [&Tensor; 4], w: &Tensor, what: &str) 
 /// (B, Hq, Hk, T, S, dk, dv, q_offset, layout)
 type Case = (usize, usize, usize, usize, usize, usize, usize, usize, PairLayout);
 
-const CASES: [Case; 7] = [
+const CASES: [Case; 8] = [
     (2, 4, 4, 77, 77, 8, 8, 0, PairLayout::Interleaved), // T not a multiple of the tile
     (1, 8, 4, 150, 150, 16, 16, 0, PairLayout::Halves),  // GQA 2, two key tiles
     (1, 12, 4, 65, 65, 8, 12, 0, PairLayout::Halves),    // GQA 3, dv != dk
@@ -83,6 +83,7 @@ const CASES: [Case; 7] = [
     (1, 4, 4, 1, 70, 8, 8, 69, PairLayout::Interleaved), // one row against a cache
     (1, 2, 2, 140, 290, 4, 4, 150, PairLayout::Interleaved), // offset not aligned to tiles
     (8, 4, 4, 40, 40, 8, 8, 0, PairLayout::Interleaved), // many (batch, kv pair) tasks: shared maps
+    (8, 8, 4, 100, 100, 8, 8, 0, PairLayout::Halves),    // shared maps, a diagonal tile cut in two
 ];
 
 #[test]
@@ -160,13 +161,14 @@ fn composed_v2(q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor, scale: f64, off: 
 /// (B, Hq, Hk, T, S, dk, dv, q_offset): every kv head serves an even number of query heads.
 type CaseV2 = (usize, usize, usize, usize, usize, usize, usize, usize);
 
-const CASES_V2: [CaseV2; 6] = [
+const CASES_V2: [CaseV2; 7] = [
     (2, 4, 2, 77, 77, 8, 8, 0),     // T not a multiple of the tile, one pair per kv head
     (1, 8, 2, 150, 150, 16, 16, 0), // two pairs per kv head, two key tiles
     (1, 12, 2, 65, 65, 8, 12, 0),   // three pairs per kv head, dv != dk
     (2, 4, 1, 37, 100, 5, 7, 63),   // KV offset, odd head dims
     (1, 4, 2, 1, 70, 8, 8, 69),     // one row against a cache
     (8, 16, 4, 40, 40, 8, 8, 0),    // bench-s's head layout, many tasks: shared maps
+    (8, 8, 4, 100, 100, 8, 8, 0),   // shared maps, a diagonal tile cut in two
 ];
 
 #[test]
