@@ -44,7 +44,7 @@
 
 use crate::cpu::{storage_slice, with_slice};
 use crate::diff_combine::DiffCombinePairs;
-use crate::flash::{causal_chunks, flash_bwd, flash_fwd, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
+use crate::flash::{flash_bwd, flash_fwd, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
 use crate::pair_values::PairValues;
 use crate::PairLayout;
@@ -359,50 +359,43 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
             let (ha, hb) = pair(x.layout, d.hq, j);
             let (bha, bhb) = (b * d.hq + ha, b * d.hq + hb);
             let bj = b * (d.hq / 2) + j;
-            // rows before s0 - q_offset see none of this block's keys
-            let mut t0 = s0.saturating_sub(x.q_offset);
-            while t0 < t {
-                let tile_rows = (t - t0).min(BR);
-                // the tile's rectangles of visible scores (`t0`, `rows`, `nb` are a rectangle's)
-                for (r0, rows, nb) in causal_chunks(t0, tile_rows, s0, nb, x.q_offset) {
-                    let t0 = t0 + r0;
-                    let qa = &x.q[(bha * t + t0) * dk..][..rows * dk];
-                    let qb = &x.q[(bhb * t + t0) * dk..][..rows * dk];
-                    let dzb = &x.dz[(bj * t + t0) * w..][..rows * w];
-                    mm(rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, kab, 1, dk, x.scale);
-                    mm(rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kbb, 1, dk, x.scale);
-                    mm(rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, vb, 1, w, T::ONE);
-                    for r in 0..rows {
-                        let n = (t0 + r + x.q_offset + 1).min(s0 + nb).saturating_sub(s0);
-                        let (ra, rb) = (bha * t + t0 + r, bhb * t + t0 + r);
-                        let row = r * BC..r * BC + nb;
-                        let (pa, pb) = (&mut tl.pa[row.clone()], &mut tl.pb[row.clone()]);
-                        for (e, l) in [(&mut *pa, x.lse[ra]), (&mut *pb, x.lse[rb])] {
-                            exp_shifted(&mut e[..n], l);
-                            e[n..].fill(T::ZERO);
-                        }
-                        let minus_lambda = T::ZERO - x.lambda_at(bj, t0 + r);
-                        let (da, db) = (x.delta[ra], x.delta[rb]);
-                        // dp becomes dS_a, pb dS_b, pa P_a − λ·P_b
-                        let dp = &mut tl.dp[row];
-                        for c in 0..nb {
-                            let (gp, pbc) = (dp[c], pb[c]);
-                            dp[c] = pa[c] * (gp - da) * x.scale;
-                            pb[c] = pbc * (minus_lambda * gp - db) * x.scale;
-                            pa[c] += minus_lambda * pbc;
-                        }
+            // the rectangles of visible scores (`t0`, `rows`, `nb` are a rectangle's)
+            for (t0, rows, nb) in key_block_rects(s0, nb, t, x.q_offset) {
+                let qa = &x.q[(bha * t + t0) * dk..][..rows * dk];
+                let qb = &x.q[(bhb * t + t0) * dk..][..rows * dk];
+                let dzb = &x.dz[(bj * t + t0) * w..][..rows * w];
+                mm(rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, kab, 1, dk, x.scale);
+                mm(rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kbb, 1, dk, x.scale);
+                mm(rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, vb, 1, w, T::ONE);
+                for r in 0..rows {
+                    let n = keys_seen(t0 + r, x.q_offset, s0, nb);
+                    let (ra, rb) = (bha * t + t0 + r, bhb * t + t0 + r);
+                    let row = r * BC..r * BC + nb;
+                    let (pa, pb) = (&mut tl.pa[row.clone()], &mut tl.pb[row.clone()]);
+                    for (e, l) in [(&mut *pa, x.lse[ra]), (&mut *pb, x.lse[rb])] {
+                        exp_shifted(&mut e[..n], l);
+                        e[n..].fill(T::ZERO);
                     }
-                    let dvb = &mut dv[s0 * w..(s0 + nb) * w];
-                    mm(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, 1, T::ONE);
-                    let (dsa, dsb) = (&tl.dp, &tl.pb);
-                    mm(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, 1, T::ONE);
-                    let dk_b = g.dk_b.as_deref_mut().unwrap_or(&mut *g.dk_a);
-                    mm(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, 1, T::ONE);
-                    let (dq_a, dq_b) = &mut g.dq[i];
-                    mm(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, 1, T::ONE);
-                    mm(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, 1, T::ONE);
+                    let minus_lambda = T::ZERO - x.lambda_at(bj, t0 + r);
+                    let (da, db) = (x.delta[ra], x.delta[rb]);
+                    // dp becomes dS_a, pb dS_b, pa P_a − λ·P_b
+                    let dp = &mut tl.dp[row];
+                    for c in 0..nb {
+                        let (gp, pbc) = (dp[c], pb[c]);
+                        dp[c] = pa[c] * (gp - da) * x.scale;
+                        pb[c] = pbc * (minus_lambda * gp - db) * x.scale;
+                        pa[c] += minus_lambda * pbc;
+                    }
                 }
-                t0 += tile_rows;
+                let dvb = &mut dv[s0 * w..(s0 + nb) * w];
+                mm(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, 1, T::ONE);
+                let (dsa, dsb) = (&tl.dp, &tl.pb);
+                mm(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, 1, T::ONE);
+                let dk_b = g.dk_b.as_deref_mut().unwrap_or(&mut *g.dk_a);
+                mm(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, 1, T::ONE);
+                let (dq_a, dq_b) = &mut g.dq[i];
+                mm(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, 1, T::ONE);
+                mm(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, 1, T::ONE);
             }
         }
         s0 += nb;

@@ -102,13 +102,33 @@ pub(crate) fn causal_chunks(
     nb: usize,
     q_offset: usize,
 ) -> impl Iterator<Item = (usize, usize, usize)> {
-    let visible = move |r_end: usize| (t0 + r_end + q_offset).saturating_sub(s0).min(nb);
-    let step = if visible(1) == nb { rows.max(1) } else { DIAG_ROWS };
+    let step = if keys_seen(t0, q_offset, s0, nb) == nb { rows.max(1) } else { DIAG_ROWS };
     (0..rows).step_by(step).filter_map(move |r0| {
         let rc = (rows - r0).min(step);
-        let nc = visible(r0 + rc);
+        let nc = keys_seen(t0 + r0 + rc - 1, q_offset, s0, nb);
         (nc > 0).then_some((r0, rc, nc))
     })
+}
+
+/// Every rectangle of visible scores between key block `s0 .. s0 + nb` and query rows `0 .. t`:
+/// the `BR`-row tiles from the first row that sees the block, each cut by [`causal_chunks`], as
+/// `(first row, rows, keys)` with the first row counted from 0.
+#[inline(always)]
+pub(crate) fn key_block_rects(
+    s0: usize,
+    nb: usize,
+    t: usize,
+    q_offset: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    (s0.saturating_sub(q_offset)..t).step_by(BR).flat_map(move |t0| {
+        causal_chunks(t0, (t - t0).min(BR), s0, nb, q_offset).map(move |(r0, rc, nc)| (t0 + r0, rc, nc))
+    })
+}
+
+/// How many keys of block `s0 .. s0 + nb` query row `row` sees (causal, KV-cache offset).
+#[inline(always)]
+pub(crate) fn keys_seen(row: usize, q_offset: usize, s0: usize, nb: usize) -> usize {
+    (row + q_offset + 1).saturating_sub(s0).min(nb)
 }
 
 fn dims_of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
@@ -324,7 +344,7 @@ fn fwd_task_tiled<T: Float>(
             let qc = &qb[r0 * dk..(r0 + rc) * dk];
             mm(rc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
             for i in 0..rc {
-                let n = (t0 + r0 + i + q_offset + 1).min(s1).saturating_sub(s0);
+                let n = keys_seen(t0 + r0 + i, q_offset, s0, s1 - s0);
                 let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], n, &mut m[r0 + i], &mut l[r0 + i]);
                 if alpha != T::ONE {
                     for x in o[i * dv..(i + 1) * dv].iter_mut() {
@@ -488,7 +508,7 @@ fn bwd_tile<T: Float>(
     mm(rows, nb, dk, st, BC, false, qb, dk, 1, kb, 1, dk, x.scale);
     mm(rows, nb, dv, dpt, BC, false, gb, dv, 1, vb, 1, dv, T::ONE);
     for i in 0..rows {
-        let n = (t0 + i + x.q_offset + 1).min(s0 + nb).saturating_sub(s0);
+        let n = keys_seen(t0 + i, x.q_offset, s0, nb);
         let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
         let p = &mut st[i * BC..i * BC + nb];
         exp_shifted(&mut p[..n], lse);
@@ -543,17 +563,11 @@ fn bwd_kv_task<T: Float>(
     dkb.fill(T::ZERO);
     dvb.fill(T::ZERO);
     let kv = b * d.hk + g;
-    let t_start = s0.saturating_sub(x.q_offset);
     for h in g * d.rep()..(g + 1) * d.rep() {
         let bh = b * d.hq + h;
-        let mut t0 = t_start;
-        while t0 < d.t {
-            let rows = (d.t - t0).min(BR);
-            for (r0, rc, nc) in causal_chunks(t0, rows, s0, nb, x.q_offset) {
-                let (dkc, dvc) = (&mut dkb[..nc * d.dk], &mut dvb[..nc * d.dv]);
-                tile_dk_dv(x, bh, t0 + r0, rc, kv, s0, nc, dkc, dvc, sc);
-            }
-            t0 += rows;
+        for (t0, rows, nc) in key_block_rects(s0, nb, d.t, x.q_offset) {
+            let (dkc, dvc) = (&mut dkb[..nc * d.dk], &mut dvb[..nc * d.dv]);
+            tile_dk_dv(x, bh, t0, rows, kv, s0, nc, dkc, dvc, sc);
         }
     }
 }
@@ -608,17 +622,10 @@ fn bwd_group_task<T: Float>(
         let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
         for (i, h) in (g * d.rep()..(g + 1) * d.rep()).enumerate() {
             let bh = b * d.hq + h;
-            // rows before s0 - q_offset see none of this block's keys
-            let mut t0 = s0.saturating_sub(x.q_offset);
-            while t0 < d.t {
-                let rows = (d.t - t0).min(BR);
-                for (r0, rc, nc) in causal_chunks(t0, rows, s0, nb, x.q_offset) {
-                    let t1 = t0 + r0;
-                    tile_dk_dv(x, bh, t1, rc, kv, s0, nc, &mut dkb[..nc * dk], &mut dvb[..nc * dv], sc);
-                    let dqb = &mut dqg[(i * d.t + t1) * dk..(i * d.t + t1 + rc) * dk];
-                    mm(rc, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, 1, T::ONE);
-                }
-                t0 += rows;
+            for (t0, rows, nc) in key_block_rects(s0, nb, d.t, x.q_offset) {
+                tile_dk_dv(x, bh, t0, rows, kv, s0, nc, &mut dkb[..nc * dk], &mut dvb[..nc * dv], sc);
+                let dqb = &mut dqg[(i * d.t + t0) * dk..(i * d.t + t0 + rows) * dk];
+                mm(rows, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, 1, T::ONE);
             }
         }
         s0 += nb;
@@ -988,6 +995,7 @@ mod tests {
         for (t0, s0, q_offset) in [(0, 0, 0), (128, 0, 0), (128, 128, 0), (0, 128, 140), (5, 100, 63), (3, 0, 200)] {
             for rows in [1, 2, 63, 64, 65, 77, 128] {
                 for nb in [1, 5, 64, 100, 128] {
+                    // written out here, not through `keys_seen`, so that the test checks it too
                     let seen = |i: usize| (t0 + i + q_offset + 1).saturating_sub(s0).min(nb);
                     let mut next_row = 0;
                     for (r0, rc, nc) in causal_chunks(t0, rows, s0, nb, q_offset) {
