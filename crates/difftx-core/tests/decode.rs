@@ -133,6 +133,39 @@ fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize) {
 }
 
 #[test]
+fn one_sequence_with_its_heads_split_over_threads_matches_the_full_forward() {
+    // A pool of four: the baseline's four heads in four groups, the DIFF families' two pairs in
+    // two; prefill (three rows) and single steps both split.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 11);
+        let ids = tokens(cfg.max_seq_len, cfg.vocab_size, 4);
+        let full = m.forward(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), None).unwrap();
+        let full = full.squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+        let scale = full.iter().flatten().fold(1.0f32, |a, v| a.max(v.abs()));
+        let logits = |parallel_from: usize| {
+            let mut dec = Decoder::new(&m).unwrap();
+            dec.set_parallel_attention_macs(parallel_from);
+            pool.install(|| {
+                let mut seq = dec.new_sequence();
+                let mut out = vec![dec.prefill(&mut seq, &ids[..3]).unwrap()];
+                for &t in &ids[3..] {
+                    out.push(dec.step(&mut [&mut seq], &[t]).unwrap());
+                }
+                out
+            })
+        };
+        let split = logits(0);
+        for (t, row) in split.iter().enumerate() {
+            let err = max_abs(row, &full[t + 2]);
+            assert!(err <= 1e-4 * scale, "{name}: position {}: max |diff| {err}", t + 2);
+        }
+        // Each head's arithmetic is the same on whichever thread runs it.
+        assert_eq!(split, logits(usize::MAX), "{name}");
+    }
+}
+
+#[test]
 fn greedy_tokens_are_those_of_the_forward_path() {
     for (name, cfg) in configs() {
         let m = model(&cfg, 3);

@@ -18,11 +18,14 @@
 
 use rayon::prelude::*;
 
-/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread. Measured
-/// on the 2-core Xeon (docs/design.md §7.7): at 32K, batch-1 int8 decode spent more time waking and
-/// parking threads than it saved (1,685 tok/s on two threads against 2,409 on one); at 512K the
-/// batch-1 products of bench-s stay on one thread and batched steps still split.
-const MIN_MACS_PER_TASK: usize = 512 * 1024;
+/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread. Splitting
+/// pays only when the caller runs on a pool thread (the fused decoder does): from outside the pool
+/// every split product wakes a worker and parks the caller. Measured (docs/design.md §7.7): on the
+/// 2-core Xeon, called from outside the pool, 32K made batch-1 int8 decode slower than one thread
+/// (1,685 against 2,409 tok/s), hence 512K then; on the 2-core AMD EPYC, from a pool thread, 64K
+/// made batch-1 decode 1.5-1.6x faster in f32 and bf16 and 1.1-1.2x in int8 than 512K from
+/// outside the pool.
+const MIN_MACS_PER_TASK: usize = 64 * 1024;
 
 /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
 pub const ISA_BEST: u8 = 2;
@@ -437,11 +440,12 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
     if rows == 0 || out == 0 {
         return;
     }
-    // Panels per task: at least MIN_MACS_PER_TASK multiply-adds, no more tasks than threads.
+    // Tasks of at least MIN_MACS_PER_TASK multiply-adds, no more than threads, panels shared
+    // out evenly (a 12-panel product on two threads is 6 + 6, not 8 + 4).
     let panels = out.div_ceil(PANEL);
     let threads = rayon::current_num_threads().max(1);
-    let by_work = MIN_MACS_PER_TASK.div_ceil(rows * in_dim * PANEL);
-    let per_task = by_work.max(panels.div_ceil(threads));
+    let tasks = (rows * in_dim * out / MIN_MACS_PER_TASK).clamp(1, threads.min(panels));
+    let per_task = panels.div_ceil(tasks);
     let run = |p: usize, y: &mut [f32], ld: usize, col0: usize| {
         let (range, width) = w.panel_range(p);
         match &w.data {

@@ -342,6 +342,23 @@ impl Decoder {
         rows: &[(usize, u32)],
         logit_rows: &[usize],
     ) -> Result<Vec<f32>> {
+        // The pass runs on a pool thread: a product or attention split from there runs its other
+        // half on the second thread while this one does the first, where a caller outside the
+        // pool would hand every split to the pool and sleep until it is done (twice the wake-ups
+        // per split; docs/design.md §7.7). A caller already on the pool runs it in place.
+        if rayon::current_thread_index().is_some() {
+            self.forward_rows_on_pool(seqs, rows, logit_rows)
+        } else {
+            rayon::scope(|_| self.forward_rows_on_pool(seqs, rows, logit_rows))
+        }
+    }
+
+    fn forward_rows_on_pool(
+        &self,
+        seqs: &mut [&mut SequenceCache],
+        rows: &[(usize, u32)],
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
         let n = rows.len();
         // Each row's position, and how many positions each sequence gains.
         let mut gained = vec![0usize; seqs.len()];
@@ -383,7 +400,16 @@ impl Decoder {
         // Split attention over threads only where it outweighs waking them (multiply-adds of
         // scores and values, summed over rows).
         let attention_work: usize = pos.iter().map(|p| (p + 1) * 2 * q_out).sum();
-        let parallel = n >= 2 && attention_work >= self.parallel_attention_macs && rayon::current_num_threads() > 1;
+        let threads = rayon::current_num_threads();
+        // Fewer rows than threads (a single sequence's step): each row's heads split in groups.
+        let units = self.o_in / self.attention_unit_width();
+        let groups = if n < threads {
+            (1..=threads.min(units)).rev().find(|&g| units.is_multiple_of(g)).unwrap_or(1)
+        } else {
+            1
+        };
+        let parallel = n * groups >= 2 && attention_work >= self.parallel_attention_macs && threads > 1;
+        let group_width = self.o_in / groups;
         let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
         // One thread's scratch serves every layer; split passes make one per task.
         let mut scratch = new_scratch();
@@ -407,20 +433,23 @@ impl Decoder {
             }
             let caches: Vec<(&[f32], usize, &[f32])> =
                 seqs.iter().map(|s| (s.k[l].as_slice(), s.cap, s.v[l].as_slice())).collect();
-            let attend_row = |scratch: &mut Scratch, i: usize, out: &mut [f32]| {
+            // Group `g` of row `i`: its output units from `g * units / groups` on.
+            let attend_group = |scratch: &mut Scratch, task: usize, out: &mut [f32]| {
+                let (i, g) = (task / groups, task % groups);
                 let (keys_t, cap, values) = caches[rows[i].0];
                 let lambda_logits = &qkv[i * qkv_width + q_out + 2 * kv_out..(i + 1) * qkv_width];
                 let cache = LayerCache { keys_t, cap, values, len: pos[i] + 1 };
+                let first = g * units / groups;
                 out.fill(0.0);
-                self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, scratch, out);
+                self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, first, scratch, out);
             };
             if parallel {
-                att.par_chunks_mut(self.o_in)
+                att.par_chunks_mut(group_width)
                     .enumerate()
-                    .for_each_init(new_scratch, |scratch, (i, out)| attend_row(scratch, i, out));
+                    .for_each_init(new_scratch, |scratch, (task, out)| attend_group(scratch, task, out));
             } else {
-                for (i, out) in att.chunks_exact_mut(self.o_in).enumerate() {
-                    attend_row(&mut scratch, i, out);
+                for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
+                    attend_group(&mut scratch, task, out);
                 }
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
@@ -455,14 +484,24 @@ impl Decoder {
         rope_heads(x, y, cos, sin, self.head_dim, self.rope_style == RopeStyle::Interleaved);
     }
 
-    /// One row's attention output `out` ([o_in], zeroed) from its rotated queries `q` ([n_q, d])
-    /// over the first `cache.len` cached positions.
+    /// Width of one attention output unit: a head (baseline, diff-v2's pair) or a diff-v1 pair.
+    fn attention_unit_width(&self) -> usize {
+        match self.layers.first().map(|l| &l.mix) {
+            Some(Mix::DiffV1 { .. }) => 2 * self.head_dim,
+            _ => self.head_dim,
+        }
+    }
+
+    /// Output units `first ..` of one row's attention (`out`: whole units, zeroed) from its
+    /// rotated queries `q` ([n_q, d]) over the first `cache.len` cached positions.
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         mix: &Mix,
         q: &[f32],
         lambda_logits: &[f32],
         cache: &LayerCache,
+        first: usize,
         scratch: &mut Scratch,
         out: &mut [f32],
     ) {
@@ -478,14 +517,14 @@ impl Decoder {
         match mix {
             Mix::Baseline => {
                 let group = self.n_q / self.n_kv;
-                for (i, o) in out.chunks_exact_mut(d).enumerate() {
+                for (i, o) in (first..).zip(out.chunks_exact_mut(d)) {
                     softmax_scores(q_head(i), keys(i / group), cap, scale, p1);
                     weighted_values(p1, values(i / group), stride, o);
                 }
             }
             Mix::DiffV1 { lambda, out_gain, normalise, eps } => {
                 let group = self.n_q / self.n_kv; // pairs of queries per pair of kv heads
-                for (j, o) in out.chunks_exact_mut(2 * d).enumerate() {
+                for (j, o) in (first..).zip(out.chunks_exact_mut(2 * d)) {
                     let (qa, qb) = self.pairing.pair(j, self.n_q);
                     let (ka, kb) = self.pairing.pair(j / group, self.n_kv);
                     softmax_scores(q_head(qa), keys(ka), cap, scale, p1);
@@ -505,7 +544,7 @@ impl Decoder {
             }
             Mix::DiffV2 => {
                 let group = self.n_q / self.n_kv; // even: a pair's two heads share a kv head
-                for (j, o) in out.chunks_exact_mut(d).enumerate() {
+                for (j, o) in (first..).zip(out.chunks_exact_mut(d)) {
                     let lambda = 1.0 / (1.0 + (-lambda_logits[j]).exp());
                     let kv = 2 * j / group;
                     softmax_scores(q_head(2 * j), keys(kv), cap, scale, p1);
