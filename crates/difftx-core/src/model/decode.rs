@@ -334,8 +334,9 @@ impl Decoder {
     ///
     /// Per layer, every row's keys and values are written first (in row order), then the rows
     /// attend, each to the positions up to its own: one row of a prompt is one row here, so a
-    /// prompt and a batch of sequences run the same code. Attention is split over the rows across
-    /// threads when there is enough of it.
+    /// prompt and a batch of sequences run the same code. Attention is split across threads when
+    /// there is enough of it: over the rows, or over groups of heads when rows are fewer than
+    /// threads.
     fn forward_rows(
         &self,
         seqs: &mut [&mut SequenceCache],
