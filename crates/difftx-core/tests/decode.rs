@@ -134,8 +134,8 @@ fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize) {
 
 #[test]
 fn one_sequence_with_its_heads_split_over_threads_matches_the_full_forward() {
-    // A pool of four: the baseline's four heads in four groups, the DIFF families' two pairs in
-    // two; prefill (three rows) and single steps both split.
+    // A pool of four: the baseline's four heads and diff-v2's four pairs in four groups,
+    // diff-v1's two pairs in two; prefill (three rows) and single steps both split.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
     for (name, cfg) in configs() {
         let m = model(&cfg, 11);

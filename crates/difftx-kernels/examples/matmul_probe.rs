@@ -1,8 +1,14 @@
 //! GMAC/s and GB/s of `matmul_packed` at batch 1 from cache (one weight) and from memory (28
 //! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine; then f32 GMAC/s
-//! of several rows at once (batched decode) on the 28 weights.
+//! of several rows at once (batched decode) on the 28 weights. Runs on a rayon worker, as the
+//! fused decoder does, so products split over the pool's threads (`RAYON_NUM_THREADS=1`: one).
 use difftx_kernels::decode::{matmul_packed, PackedWeight, WeightPrecision};
 fn main() {
+    println!("{} threads", rayon::current_num_threads());
+    rayon::scope(|_| probe());
+}
+
+fn probe() {
     for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
         let bytes_per = if precision == WeightPrecision::F32 { 4.0 } else { 2.0 };
         for &(n_w, reps) in &[(1usize, 5000usize), (28, 200)] {
