@@ -1,7 +1,8 @@
 //! GMAC/s and GB/s of `matmul_packed` at batch 1 from cache (one weight) and from memory (28
 //! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine; then f32 GMAC/s
-//! of several rows at once (batched decode) on the 28 weights. Runs on a rayon worker, as the
-//! fused decoder does, so products split over the pool's threads (`RAYON_NUM_THREADS=1`: one).
+//! of several rows at once (batched decode) on the 28 weights and on one weight in cache. Runs on
+//! a rayon worker, as the fused decoder does, so products split over the pool's threads
+//! (`RAYON_NUM_THREADS=1`: one).
 use difftx_kernels::decode::{matmul_packed, PackedWeight, WeightPrecision};
 fn main() {
     println!("{} threads", rayon::current_num_threads());
@@ -40,7 +41,7 @@ fn probe() {
             );
         }
     }
-    for rows in [2usize, 3, 4, 8, 16] {
+    for rows in [1usize, 2, 3, 4, 5, 6, 8, 16] {
         let ws: Vec<PackedWeight> = (0..28)
             .map(|k| {
                 PackedWeight::from_rows(&(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(), 256)
@@ -57,5 +58,26 @@ fn probe() {
         }
         let s = t0.elapsed().as_secs_f64();
         println!("F32 {rows} rows: {:.1} GMAC/s", (reps * 28 * rows * 704 * 256) as f64 / s / 1e9);
+    }
+    cached_rows();
+}
+
+/// Several rows against one 256 × 256 weight (256 KiB, kept in cache): the kernel's own speed,
+/// to set beside the same row counts from memory above.
+fn cached_rows() {
+    let w = PackedWeight::from_rows(&(0..256 * 256).map(|i| (i % 7) as f32 * 0.1).collect::<Vec<_>>(), 256);
+    for rows in [1usize, 2, 3, 4, 6, 8, 16] {
+        let x = vec![0.5f32; rows * 256];
+        let mut y = vec![0f32; rows * 256];
+        let reps = 20000 / rows;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            matmul_packed(&x, &w, &mut y);
+        }
+        let s = t0.elapsed().as_secs_f64();
+        println!(
+            "F32 {rows} rows, one 256x256 weight (cache): {:.1} GMAC/s",
+            (reps * rows * 256 * 256) as f64 / s / 1e9
+        );
     }
 }

@@ -6,8 +6,9 @@
 //! decode step is built from (`difftx_core::Decoder`, crates/difftx-core/src/model/decode.rs):
 //!
 //! * [`matmul_packed`]: `y = x·Wᵀ` for a few rows `x`, the Linear weight packed once
-//!   ([`PackedWeight`]) into panels of 64 output columns read front to back, the sums kept in
-//!   registers; panels are split across rayon threads when the product is large enough to pay.
+//!   ([`PackedWeight`]) into panels of 64 output columns read front to back in chunks that stay
+//!   in L1, the sums kept in registers; panels are split across rayon threads when the product
+//!   is large enough to pay.
 //! * [`softmax_scores`]: one query's attention weights over its cached keys.
 //! * [`weighted_values`]: `out += Σ_s p_s·v_s` over cached values.
 //! * [`swiglu_rows`] computes `silu(gate)·up`.
@@ -35,18 +36,21 @@ mod body {
     use super::Element;
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
-    /// `y[r, col0 + k] = Σ_i x[r, i]·panel[i, k]` for one packed panel (`[in, w]`, w <= 64) and every
-    /// row of x; y has row stride `ld`. The panel is taken in chunks of `KB` inputs (16 KiB of
-    /// f32) that stay in L1 while every row and column pass uses them, so it is read from memory
-    /// once per call. Rows go `RG` at a time so each weight load serves several rows, with
-    /// `RG × CB` sums in registers (no horizontal reductions); a single row keeps all 64. `CB`
-    /// (the columns summed per pass) fits the register file: 64 with AVX-512's 32 wide registers,
-    /// 16 with AVX2's 16, where 4 × 64 sums spilled to the stack. The sums carry over chunks
-    /// through y, in input order, so the result depends on neither `CB` nor `KB`. `FMA` picks
-    /// fused multiply-adds (only where the CPU has them).
+    /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
+    /// [`super::PackedWeight`] says) and every row of x; y has row stride `ld`. The panel is taken
+    /// in chunks of `CHUNK` inputs (16 KiB of f32) that stay in L1 while every row and column
+    /// pass uses them, so it is read from memory once per call; with several rows the first row
+    /// group's passes also ask for the next chunk, so that memory is read while this one is
+    /// multiplied (a single row is bound by memory either way). Rows go `RG` at a time so each
+    /// weight load serves several rows, with `RG × CB` sums in registers (no horizontal
+    /// reductions); a single row keeps all 64, two rows `CB2`. `CB` (the columns summed per pass)
+    /// fits the register file: 64 with AVX-512's 32 wide registers, 16 with AVX2's 16, where
+    /// 4 × 64 sums (and 3 × 32) spilled to the stack. The sums carry over chunks through y, in
+    /// input order, so the result depends on neither `CB` nor `CHUNK`. `FMA` picks fused
+    /// multiply-adds (only where the CPU has them).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub fn panel<E: Element, const FMA: bool, const RG: usize, const CB: usize>(
+    pub fn panel<E: Element, const FMA: bool, const RG: usize, const CB: usize, const CB2: usize>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -55,24 +59,33 @@ mod body {
         ld: usize,
         col0: usize,
     ) {
-        const KB: usize = 64;
         let rows = x.len() / in_dim;
         if w < super::PANEL {
             return narrow::<E, FMA>(x, in_dim, panel, w, y, ld, col0);
         }
-        for i0 in (0..in_dim).step_by(KB) {
-            let inputs = i0..(i0 + KB).min(in_dim);
+        for i0 in (0..in_dim).step_by(super::CHUNK) {
+            let inputs = i0..(i0 + super::CHUNK).min(in_dim);
             let mut r0 = 0;
             while r0 < rows {
                 let i = inputs.clone();
                 r0 += match rows - r0 {
                     left if left >= RG => chunk::<E, RG, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
                     1 => chunk::<E, 1, { super::PANEL }, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
-                    2 => chunk::<E, 2, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                    2 => chunk::<E, 2, CB2, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
                     _ => chunk::<E, 3, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
                 };
             }
         }
+    }
+
+    /// Asks for the cache line at `p` to be brought into L1 (a hint: any address is allowed).
+    #[inline(always)]
+    fn prefetch<E>(p: *const E) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults and does not change memory.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        };
     }
 
     #[inline(always)]
@@ -98,8 +111,12 @@ mod body {
         col0: usize,
     ) -> usize {
         const C: usize = super::PANEL;
+        const B: usize = super::BLOCK;
         let xs: [&[f32]; R] =
             std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+        let len = inputs.len();
+        // This chunk's blocks of B columns, each [len, B].
+        let blocks = &panel[inputs.start * C..inputs.end * C];
         for c in (0..C).step_by(CB) {
             let mut acc = [[0f32; CB]; R];
             if inputs.start > 0 {
@@ -108,9 +125,25 @@ mod body {
                     a.copy_from_slice(&y[at..at + CB]);
                 }
             }
-            for (i, wi) in panel[inputs.start * C..inputs.end * C].chunks_exact(C).enumerate() {
-                let wi: &[E; CB] = wi[c..c + CB].try_into().unwrap();
-                let wf: [f32; CB] = std::array::from_fn(|k| wi[k].to_f32());
+            // The CB / B blocks this pass reads (at most 4), each [len, B].
+            let runs: [&[E]; 4] = std::array::from_fn(|j| {
+                let b = c / B + j;
+                if j < CB / B {
+                    &blocks[b * len * B..(b + 1) * len * B]
+                } else {
+                    &[]
+                }
+            });
+            for i in 0..len {
+                let mut wf = [0f32; CB];
+                for (run, dst) in runs.iter().zip(wf.chunks_exact_mut(B)) {
+                    if R > 1 && r0 == 0 {
+                        // The same place in the next chunk (of the same length but the last).
+                        prefetch(run.as_ptr().wrapping_add(len * C + i * B));
+                    }
+                    let src: &[E; B] = run[i * B..(i + 1) * B].try_into().unwrap();
+                    dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
+                }
                 for r in 0..R {
                     let xv = xs[r][i];
                     for k in 0..CB {
@@ -222,20 +255,20 @@ mod body {
 /// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
 /// (none for `base`), fused multiply-adds where `$fma`.
 macro_rules! isa_variants {
-    ($m:ident, $fma:literal, $rg:literal, $cb:literal $(, $feat:literal)?) => {
+    ($m:ident, $fma:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
             use super::{body, Bf16};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<f32, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<f32, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_bf16(x: &[f32], in_dim: usize, p: &[Bf16], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<Bf16, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<Bf16, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<i8, $fma, $rg, $cb>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<i8, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
@@ -253,11 +286,11 @@ macro_rules! isa_variants {
     };
 }
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx512, true, 4, 64, "avx512f,avx2,fma");
+isa_variants!(avx512, true, 4, 64, 64, "avx512f,avx2,fma");
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx2, true, 4, 16, "avx2,fma");
+isa_variants!(avx2, true, 4, 16, 32, "avx2,fma");
 // Baseline x86-64 (or another architecture): no FMA, whose software fallback would be slow.
-isa_variants!(base, false, 4, 16);
+isa_variants!(base, false, 4, 16, 16);
 
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
@@ -276,6 +309,11 @@ macro_rules! dispatch {
 
 /// Output columns per packed panel.
 const PANEL: usize = 64;
+/// Inputs per chunk of a full panel (64 × 64 f32: 16 KiB, kept in L1 while every row uses it).
+const CHUNK: usize = 64;
+/// Columns per block within a chunk: the narrowest pass (AVX2's 16 sums per row) reads one block
+/// front to back.
+const BLOCK: usize = 16;
 
 /// A weight element the packed kernel reads: f32, or bf16 / int8 codes widened to f32 on load.
 pub trait Element: Copy + Send + Sync {
@@ -362,8 +400,12 @@ enum PackedData {
 }
 
 /// A Linear layer's weight (`[out, in]`, PyTorch's layout) re-laid out for [`matmul_packed`]:
-/// panels of 64 output columns, each stored `[in, 64]` contiguously (the last one narrower), so the
-/// kernel reads every panel front to back and keeps 64 sums per row in registers.
+/// panels of 64 output columns stored one after the other. A full panel is a run of chunks of 64
+/// inputs (the last one shorter), each chunk four blocks of 16 columns, each block `[inputs, 16]`;
+/// the last panel, when narrower, is `[in, width]`. A pass over some of a chunk's columns then
+/// reads whole blocks front to back. (With plain `[in, 64]` panels AVX2's 16-column passes over
+/// several rows read 64 of every 256 bytes, and ran at half the speed of the same product from
+/// cache; docs/design.md §7.7 has the measurements.)
 #[derive(Debug, Clone)]
 pub struct PackedWeight {
     data: PackedData,
@@ -385,25 +427,15 @@ impl PackedWeight {
             w.len()
         );
         let out = w.len() / in_dim;
-        let mut packed = Vec::with_capacity(w.len());
-        for c0 in (0..out).step_by(PANEL) {
-            let width = PANEL.min(out - c0);
-            for i in 0..in_dim {
-                packed.extend((c0..c0 + width).map(|o| w[o * in_dim + i]));
-            }
-        }
+        let at = |(o, i): (usize, usize)| w[o * in_dim + i];
         let data = match precision {
-            WeightPrecision::F32 => PackedData::F32(packed),
-            WeightPrecision::Bf16 => PackedData::Bf16(packed.into_iter().map(Bf16::from_f32).collect()),
+            WeightPrecision::F32 => PackedData::F32(packed_order(out, in_dim).map(at).collect()),
+            WeightPrecision::Bf16 => {
+                PackedData::Bf16(packed_order(out, in_dim).map(|oi| Bf16::from_f32(at(oi))).collect())
+            }
             WeightPrecision::Int8 => {
                 let scales: Vec<f32> = w.chunks_exact(in_dim).map(int8_scale).collect();
-                // The packed order puts column o at position (index within its panel) o % 64.
-                let mut codes = Vec::with_capacity(packed.len());
-                for c0 in (0..out).step_by(PANEL) {
-                    let width = PANEL.min(out - c0);
-                    let panel = &packed[c0 * in_dim..(c0 + width) * in_dim];
-                    codes.extend(panel.iter().enumerate().map(|(j, &v)| int8_code(v, scales[c0 + j % width])));
-                }
+                let codes = packed_order(out, in_dim).map(|oi| int8_code(at(oi), scales[oi.0])).collect();
                 PackedData::Int8(codes, scales)
             }
         };
@@ -424,6 +456,21 @@ impl PackedWeight {
         let width = PANEL.min(self.out - c0);
         (c0 * self.in_dim..(c0 + width) * self.in_dim, width)
     }
+}
+
+/// (output column, input) of each position of a [`PackedWeight`] in turn.
+fn packed_order(out: usize, in_dim: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..out).step_by(PANEL).flat_map(move |c0| -> Box<dyn Iterator<Item = (usize, usize)>> {
+        if out - c0 < PANEL {
+            return Box::new((0..in_dim).flat_map(move |i| (c0..out).map(move |o| (o, i))));
+        }
+        Box::new((0..in_dim).step_by(CHUNK).flat_map(move |i0| {
+            let inputs = i0..(i0 + CHUNK).min(in_dim);
+            (c0..c0 + PANEL)
+                .step_by(BLOCK)
+                .flat_map(move |b0| inputs.clone().flat_map(move |i| (b0..b0 + BLOCK).map(move |o| (o, i))))
+        }))
+    })
 }
 
 /// `y = x·Wᵀ` for a Linear weight W: x `[rows, in]`, y `[rows, out]`.
