@@ -125,8 +125,8 @@ mod body {
                     a.copy_from_slice(&y[at..at + CB]);
                 }
             }
-            // The CB / B blocks this pass reads (at most 4), each [len, B].
-            let runs: [&[E]; 4] = std::array::from_fn(|j| {
+            // The CB / B blocks this pass reads (of the chunk's C / B), each [len, B].
+            let runs: [&[E]; C / B] = std::array::from_fn(|j| {
                 let b = c / B + j;
                 if j < CB / B {
                     &blocks[b * len * B..(b + 1) * len * B]
