@@ -27,7 +27,8 @@ fn configs() -> Vec<(String, ModelConfig)> {
         base.n_heads = 4;
         base.n_kv_heads = 4;
         base.d_ff = 80;
-        base.max_seq_len = 40;
+        // Over two chunks of the cache (difftx_kernels::decode::KV_CHUNK, 64 positions).
+        base.max_seq_len = 150;
         // Large enough that attention is far from uniform (the default init keeps it flat).
         base.init_std = 0.35;
         base.lambda_std = 0.3;
@@ -103,7 +104,8 @@ fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize) {
     let m = model(cfg, 9);
     let mut dec = Decoder::new(&m).unwrap();
     dec.set_parallel_attention_macs(parallel_from);
-    let prompts = [tokens(3, cfg.vocab_size, 2), tokens(11, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
+    // The second sequence's steps cross from the cache's first chunk into its second.
+    let prompts = [tokens(3, cfg.vocab_size, 2), tokens(61, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
     let next = [tokens(6, cfg.vocab_size, 5), tokens(6, cfg.vocab_size, 6), tokens(6, cfg.vocab_size, 7)];
     // One at a time.
     let mut single = Vec::new();
@@ -171,8 +173,9 @@ fn greedy_tokens_are_those_of_the_forward_path() {
         let m = model(&cfg, 3);
         let prompt = tokens(4, cfg.vocab_size, 8);
         let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
-        let slow = generate_with_forward(&m, &prompt, 50, &mut greedy(), |_| Ok(())).unwrap();
-        let fast = generate_fused(&Decoder::new(&m).unwrap(), &prompt, 50, &mut greedy(), |_| Ok(())).unwrap();
+        let slow = generate_with_forward(&m, &prompt, cfg.max_seq_len, &mut greedy(), |_| Ok(())).unwrap();
+        let fast =
+            generate_fused(&Decoder::new(&m).unwrap(), &prompt, cfg.max_seq_len, &mut greedy(), |_| Ok(())).unwrap();
         // The last position's logits still give one token past the context.
         assert_eq!(slow.len(), cfg.max_seq_len - prompt.len() + 1, "{name}: stops at the context");
         assert_eq!(fast, slow, "{name}");

@@ -33,7 +33,7 @@ pub const ISA_BEST: u8 = 2;
 
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
-    use super::Element;
+    use super::{Element, KV_CHUNK};
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
@@ -50,7 +50,7 @@ mod body {
     /// multiply-adds (only where the CPU has them).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub fn panel<E: Element, const FMA: bool, const RG: usize, const CB: usize, const CB2: usize>(
+    pub fn panel<E: Element, const FMA: bool, const AVX2: bool, const RG: usize, const CB: usize, const CB2: usize>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -69,10 +69,10 @@ mod body {
             while r0 < rows {
                 let i = inputs.clone();
                 r0 += match rows - r0 {
-                    left if left >= RG => chunk::<E, RG, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
-                    1 => chunk::<E, 1, { super::PANEL }, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
-                    2 => chunk::<E, 2, CB2, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
-                    _ => chunk::<E, 3, CB, FMA>(x, in_dim, panel, i, r0, y, ld, col0),
+                    left if left >= RG => chunk::<E, RG, CB, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
+                    1 => chunk::<E, 1, { super::PANEL }, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
+                    2 => chunk::<E, 2, CB2, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
+                    _ => chunk::<E, 3, CB, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
                 };
             }
         }
@@ -97,10 +97,22 @@ mod body {
         }
     }
 
+    /// One block of weights widened to f32: by `Element::widen_block_avx2` where `AVX2` (the
+    /// variants built for CPUs with it), by a plain loop elsewhere.
+    #[inline(always)]
+    fn widen<E: Element, const AVX2: bool>(src: &[E; super::BLOCK], dst: &mut [f32; super::BLOCK]) {
+        #[cfg(target_arch = "x86_64")]
+        if AVX2 {
+            // SAFETY: AVX2 is set only in the variants compiled for (and picked on) CPUs with AVX2.
+            return unsafe { E::widen_block_avx2(src, dst) };
+        }
+        dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
+    }
+
     /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool>(
+    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const AVX2: bool>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -141,8 +153,7 @@ mod body {
                         // The same place in the next chunk (of the same length but the last).
                         prefetch(run.as_ptr().wrapping_add(len * C + i * B));
                     }
-                    let src: &[E; B] = run[i * B..(i + 1) * B].try_into().unwrap();
-                    dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
+                    widen::<E, AVX2>(run[i * B..(i + 1) * B].try_into().unwrap(), dst.try_into().unwrap());
                 }
                 for r in 0..R {
                     let xv = xs[r][i];
@@ -182,65 +193,87 @@ mod body {
         }
     }
 
-    /// Scores of a block of `B` positions from s0: the sums run over the d key features with
-    /// the B partial sums in registers (keys are stored feature-major, `[d, cap]`).
+    /// Scores of the `KV_CHUNK` positions of one chunk of keys (`[d, KV_CHUNK]`): the sums run
+    /// over the d key features with every position's partial sum in registers.
     #[inline(always)]
-    fn score_block<const B: usize, const FMA: bool>(q: &[f32], keys_t: &[f32], cap: usize, s0: usize, p: &mut [f32]) {
-        let mut acc = [0f32; B];
-        for (i, &qi) in q.iter().enumerate() {
-            let k: &[f32; B] = keys_t[i * cap + s0..i * cap + s0 + B].try_into().unwrap();
-            for j in 0..B {
+    fn score_chunk<const FMA: bool>(q: &[f32], chunk: &[f32]) -> [f32; KV_CHUNK] {
+        let mut acc = [0f32; KV_CHUNK];
+        for (&qi, k) in q.iter().zip(chunk.chunks_exact(KV_CHUNK)) {
+            let k: &[f32; KV_CHUNK] = k.try_into().unwrap();
+            for j in 0..KV_CHUNK {
                 acc[j] = madd::<FMA>(acc[j], qi, k[j]);
             }
         }
-        p[s0..s0 + B].copy_from_slice(&acc);
+        acc
     }
 
     #[inline(always)]
-    pub fn softmax_scores<const FMA: bool>(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
-        let len = p.len();
-        let mut s0 = 0;
-        while s0 + 64 <= len {
-            score_block::<64, FMA>(q, keys_t, cap, s0, p);
-            s0 += 64;
+    pub fn softmax_scores<const FMA: bool>(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+        // A partly filled last chunk is scored whole (its unused positions hold zeros or stale
+        // keys, finite either way) and only its filled positions kept: as fast as scoring a
+        // quarter of it in narrower blocks, whose fewer sums wait on the multiply-add latency.
+        let chunk_len = q.len() * KV_CHUNK;
+        for (c, pc) in p.chunks_mut(KV_CHUNK).enumerate() {
+            let acc = score_chunk::<FMA>(q, &keys[c * chunk_stride..c * chunk_stride + chunk_len]);
+            pc.iter_mut().zip(acc).for_each(|(p, a)| *p = a * scale);
         }
-        while s0 + 16 <= len {
-            score_block::<16, FMA>(q, keys_t, cap, s0, p);
-            s0 += 16;
-        }
-        for s in s0..len {
-            p[s] = q.iter().enumerate().fold(0.0, |acc, (i, &qi)| madd::<FMA>(acc, qi, keys_t[i * cap + s]));
-        }
-        p.iter_mut().for_each(|v| *v *= scale);
         let max = max_slice(p, f32::NEG_INFINITY);
         p.iter_mut().for_each(|v| *v = fast_exp_f32(*v - max));
         let inv = 1.0 / sum_slice(p);
         p.iter_mut().for_each(|v| *v *= inv);
     }
 
-    /// `out += Σ_s p_s·v_s`, 32 output features at a time so their sums stay in registers.
+    /// Output features whose sums `weighted_values` keeps in registers at a time.
+    const VALUE_COLS: usize = 32;
+
+    /// `acc[..v.len()] += w·v` (a function, not a closure: a closure would not inherit the
+    /// caller's target features).
     #[inline(always)]
-    pub fn weighted_values<const FMA: bool>(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-        const C: usize = 32;
-        for (c, oc) in out.chunks_mut(C).enumerate() {
-            let off = c * C;
-            if oc.len() == C {
-                let mut acc = [0f32; C];
-                for (s, &w) in p.iter().enumerate() {
-                    let v: &[f32; C] = values[s * stride + off..s * stride + off + C].try_into().unwrap();
-                    for k in 0..C {
-                        acc[k] = madd::<FMA>(acc[k], w, v[k]);
-                    }
-                }
-                oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
-            } else {
-                for (s, &w) in p.iter().enumerate() {
-                    let v = &values[s * stride + off..s * stride + off + oc.len()];
-                    for (o, &x) in oc.iter_mut().zip(v) {
-                        *o = madd::<FMA>(*o, w, x);
-                    }
-                }
+    fn add_row<const FMA: bool>(acc: &mut [f32; VALUE_COLS], w: f32, v: &[f32]) {
+        for (a, &x) in acc.iter_mut().zip(v) {
+            *a = madd::<FMA>(*a, w, x);
+        }
+    }
+
+    /// `Σ_s p_s·v_s[off..off + width]` (`width` is `VALUE_COLS` where `FULL`, which lets the
+    /// compiler unroll it), the values `dv` wide in chunks of `KV_CHUNK` rows. Even and odd
+    /// positions are summed apart and added at the end: one set of sums would wait on the
+    /// multiply-add latency at every row (four registers of sums for 32 features on AVX2).
+    #[inline(always)]
+    fn sum_rows<const FULL: bool, const FMA: bool>(
+        p: &[f32],
+        values: &[f32],
+        chunk_stride: usize,
+        dv: usize,
+        (off, width): (usize, usize),
+    ) -> [f32; VALUE_COLS] {
+        let width = if FULL { VALUE_COLS } else { width };
+        let (mut even, mut odd) = ([0f32; VALUE_COLS], [0f32; VALUE_COLS]);
+        for (c, pc) in p.chunks(KV_CHUNK).enumerate() {
+            let rows = &values[c * chunk_stride..c * chunk_stride + pc.len() * dv];
+            for (w, two) in pc.chunks_exact(2).zip(rows.chunks_exact(2 * dv)) {
+                add_row::<FMA>(&mut even, w[0], &two[off..off + width]);
+                add_row::<FMA>(&mut odd, w[1], &two[dv + off..dv + off + width]);
             }
+            if pc.len() % 2 == 1 {
+                let last = (pc.len() - 1) * dv + off;
+                add_row::<FMA>(&mut even, pc[pc.len() - 1], &rows[last..last + width]);
+            }
+        }
+        std::array::from_fn(|k| even[k] + odd[k])
+    }
+
+    /// `out += Σ_s p_s·v_s`, `VALUE_COLS` output features at a time.
+    #[inline(always)]
+    pub fn weighted_values<const FMA: bool>(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+        let dv = out.len();
+        for (oc, off) in out.chunks_mut(VALUE_COLS).zip((0..).step_by(VALUE_COLS)) {
+            let acc = if oc.len() == VALUE_COLS {
+                sum_rows::<true, FMA>(p, values, chunk_stride, dv, (off, VALUE_COLS))
+            } else {
+                sum_rows::<false, FMA>(p, values, chunk_stride, dv, (off, oc.len()))
+            };
+            oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
         }
     }
 
@@ -253,30 +286,30 @@ mod body {
 }
 
 /// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
-/// (none for `base`), fused multiply-adds where `$fma`.
+/// (none for `base`), fused multiply-adds where `$fma`, AVX2 instructions written out where `$avx2`.
 macro_rules! isa_variants {
-    ($m:ident, $fma:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
+    ($m:ident, $fma:literal, $avx2:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
             use super::{body, Bf16};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<f32, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<f32, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_bf16(x: &[f32], in_dim: usize, p: &[Bf16], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<Bf16, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<Bf16, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<i8, $fma, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<i8, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
-                body::softmax_scores::<$fma>(q, keys_t, cap, scale, p)
+            pub unsafe fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+                body::softmax_scores::<$fma>(q, keys, chunk_stride, scale, p)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-                body::weighted_values::<$fma>(p, values, stride, out)
+            pub unsafe fn weighted_values(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+                body::weighted_values::<$fma>(p, values, chunk_stride, out)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -286,11 +319,11 @@ macro_rules! isa_variants {
     };
 }
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx512, true, 4, 64, 64, "avx512f,avx2,fma");
+isa_variants!(avx512, true, true, 4, 64, 64, "avx512f,avx2,fma");
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx2, true, 4, 16, 32, "avx2,fma");
+isa_variants!(avx2, true, true, 4, 16, 32, "avx2,fma");
 // Baseline x86-64 (or another architecture): no FMA, whose software fallback would be slow.
-isa_variants!(base, false, 4, 16, 16);
+isa_variants!(base, false, false, 4, 16, 16);
 
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
@@ -318,12 +351,31 @@ const BLOCK: usize = 16;
 /// A weight element the packed kernel reads: f32, or bf16 / int8 codes widened to f32 on load.
 pub trait Element: Copy + Send + Sync {
     fn to_f32(self) -> f32;
+
+    /// A block's `BLOCK` (16) weights widened to f32 with AVX2 instructions, written out rather
+    /// than left to the compiler: its vectorisation of the plain loop came and went with
+    /// unrelated changes elsewhere in this file (once making int8 batch-1 decode 7× slower).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen_block_avx2(src: &[Self; BLOCK], dst: &mut [f32; BLOCK]);
 }
+
+// The AVX2 widenings below take a block as two halves of 8.
+const _: () = assert!(BLOCK == 16);
 
 impl Element for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen_block_avx2(src: &[f32; BLOCK], dst: &mut [f32; BLOCK]) {
+        *dst = *src;
     }
 }
 
@@ -344,12 +396,42 @@ impl Element for Bf16 {
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen_block_avx2(src: &[Bf16; BLOCK], dst: &mut [f32; BLOCK]) {
+        use std::arch::x86_64::*;
+        for half in 0..2 {
+            // SAFETY: 8 codes (16 bytes) at 8·half lie in src, 8 floats at 8·half in dst.
+            unsafe {
+                let codes = _mm_loadu_si128(src.as_ptr().add(8 * half) as *const __m128i);
+                let bits = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(codes));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(8 * half), _mm256_castsi256_ps(bits));
+            }
+        }
+    }
 }
 
 impl Element for i8 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self as f32
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen_block_avx2(src: &[i8; BLOCK], dst: &mut [f32; BLOCK]) {
+        use std::arch::x86_64::*;
+        // SAFETY: src is 16 bytes, dst 16 floats.
+        unsafe {
+            let codes = _mm_loadu_si128(src.as_ptr() as *const __m128i);
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(codes)));
+            _mm256_storeu_ps(dst.as_mut_ptr(), lo);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8), hi);
+        }
     }
 }
 
@@ -548,35 +630,55 @@ pub fn rope_heads(x: &[f32], y: &mut [f32], cos: &[f32], sin: &[f32], d: usize, 
     crate::rope::rope_kernel(x, y, cos, sin, (1, 1, x.len() / d.max(1), d), interleaved, false)
 }
 
-/// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`.
-/// The keys are stored feature-major, `keys_t[i·cap + s]` = feature i of key s (`[d, cap]`), so
-/// the scores of many positions are summed side by side.
-pub fn softmax_scores(q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
-    softmax_scores_at(ISA_BEST, q, keys_t, cap, scale, p)
+/// Positions per chunk of a cache of keys and values. A head's keys are stored chunk by chunk,
+/// each chunk feature-major (`[d, KV_CHUNK]`: the scores of a chunk's positions are summed side
+/// by side), and its values chunk by chunk, each position-major (`[KV_CHUNK, dv]`); chunk c starts
+/// `c · chunk_stride` after chunk 0, so the heads of a layer can share chunks
+/// (`difftx_core::Decoder`'s cache: `[chunks, heads, ..]`) and a cache grows by appending chunks.
+/// A head's chunk is then one contiguous run of memory, which the hardware prefetcher follows:
+/// keys stored `[d, capacity]` were read as d separate streams of 256 bytes (docs/design.md §7.7).
+pub const KV_CHUNK: usize = 64;
+
+/// Where feature `i` of key `s` lies in a head's keys (see [`KV_CHUNK`]).
+pub fn key_offset(s: usize, i: usize, chunk_stride: usize) -> usize {
+    s / KV_CHUNK * chunk_stride + i * KV_CHUNK + s % KV_CHUNK
+}
+
+/// Where value `s` (`dv` features) starts in a head's values (see [`KV_CHUNK`]).
+pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
+    s / KV_CHUNK * chunk_stride + s % KV_CHUNK * dv
+}
+
+/// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`, the
+/// keys in chunks as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()`
+/// are read, holding anything finite, and ignored).
+pub fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+    softmax_scores_at(ISA_BEST, q, keys, chunk_stride, scale, p)
 }
 
 /// `softmax_scores` with the instruction-set level capped at `isa`.
-pub fn softmax_scores_at(isa: u8, q: &[f32], keys_t: &[f32], cap: usize, scale: f32, p: &mut [f32]) {
+pub fn softmax_scores_at(isa: u8, q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
     if !p.is_empty() {
-        assert!(
-            p.len() <= cap && keys_t.len() >= (q.len().max(1) - 1) * cap + p.len(),
-            "softmax_scores: keys too short"
-        );
-        dispatch!(isa, softmax_scores(q, keys_t, cap, scale, p))
+        let chunks = p.len().div_ceil(KV_CHUNK);
+        assert!(chunks == 1 || chunk_stride >= q.len() * KV_CHUNK, "softmax_scores: chunks overlap");
+        assert!(keys.len() >= (chunks - 1) * chunk_stride + q.len() * KV_CHUNK, "softmax_scores: keys too short");
+        dispatch!(isa, softmax_scores(q, keys, chunk_stride, scale, p))
     }
 }
 
-/// `out += Σ_s p_s·v_s`, value `s` being `values[s·stride ..][..out.len()]`. The weights may be
-/// signed (diff-v1's and diff-v2's `p1 − λ·p2`).
-pub fn weighted_values(p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
-    weighted_values_at(ISA_BEST, p, values, stride, out)
+/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features in chunks as [`KV_CHUNK`]
+/// says. The weights may be signed (diff-v1's and diff-v2's `p1 − λ·p2`).
+pub fn weighted_values(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+    weighted_values_at(ISA_BEST, p, values, chunk_stride, out)
 }
 
 /// `weighted_values` with the instruction-set level capped at `isa`.
-pub fn weighted_values_at(isa: u8, p: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+pub fn weighted_values_at(isa: u8, p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
     if let Some(last) = p.len().checked_sub(1) {
-        assert!(values.len() >= last * stride + out.len(), "weighted_values: values too short");
-        dispatch!(isa, weighted_values(p, values, stride, out))
+        let dv = out.len();
+        assert!(last < KV_CHUNK || chunk_stride >= KV_CHUNK * dv, "weighted_values: chunks overlap");
+        assert!(values.len() >= value_offset(last, dv, chunk_stride) + dv, "weighted_values: values too short");
+        dispatch!(isa, weighted_values(p, values, chunk_stride, out))
     }
 }
 
@@ -672,34 +774,43 @@ mod tests {
     #[test]
     fn attention_row_matches_f64() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
-        // (positions, dk, dv, value stride, key capacity): blocks of 64 and 16 and a tail.
-        for &(len, dk, dv, stride, cap) in
-            &[(1, 4, 4, 4, 1), (7, 33, 5, 40, 9), (130, 32, 64, 96, 140), (64, 8, 32, 32, 64)]
-        {
+        // (positions, dk, dv, chunk stride beyond one head's chunk): one position, a partly filled
+        // first chunk, whole chunks, whole chunks and a partial one, a head not multiple of 32.
+        for &(len, dk, dv, gap) in &[(1, 4, 4, 0), (7, 33, 5, 3), (130, 32, 64, 96), (64, 8, 32, 0), (200, 16, 48, 5)] {
             let q = random(dk, &mut rng);
-            let keys_t = random(dk * cap, &mut rng);
-            let values = random(len * stride, &mut rng);
+            let (key, value) = (random(len * dk, &mut rng), random(len * dv, &mut rng)); // [s, ..]
+                                                                                         // Chunked as the kernels read them; unused places (the last chunk's tail, gaps
+                                                                                         // between chunks) hold values that would show if read.
+            let (key_stride, value_stride) = (dk * KV_CHUNK + gap, dv * KV_CHUNK + gap);
+            let chunks = len.div_ceil(KV_CHUNK);
+            let mut keys = vec![1e3f32; chunks * key_stride];
+            let mut values = vec![f32::NAN; (chunks - 1) * value_stride + KV_CHUNK * dv];
+            for s in 0..len {
+                for i in 0..dk {
+                    keys[key_offset(s, i, key_stride)] = key[s * dk + i];
+                }
+                let at = value_offset(s, dv, value_stride);
+                values[at..at + dv].copy_from_slice(&value[s * dv..(s + 1) * dv]);
+            }
             let scale = 1.0 / (dk as f64).sqrt();
-            let logits: Vec<f64> = (0..len)
-                .map(|s| (0..dk).map(|k| q[k] as f64 * keys_t[k * cap + s] as f64).sum::<f64>() * scale)
-                .collect();
+            let logits: Vec<f64> =
+                (0..len).map(|s| (0..dk).map(|k| q[k] as f64 * key[s * dk + k] as f64).sum::<f64>() * scale).collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
             let z: f64 = e.iter().sum();
             let want_p: Vec<f64> = e.iter().map(|v| v / z).collect();
-            let want_o: Vec<f64> = (0..dv)
-                .map(|c| (0..len).map(|s| want_p[s] * values[s * stride + c] as f64).sum::<f64>() + 0.5)
-                .collect();
+            let want_o: Vec<f64> =
+                (0..dv).map(|c| (0..len).map(|s| want_p[s] * value[s * dv + c] as f64).sum::<f64>() + 0.5).collect();
             for isa in 0..=ISA_BEST {
                 let mut p = vec![0f32; len];
-                softmax_scores_at(isa, &q, &keys_t, cap, scale as f32, &mut p);
+                softmax_scores_at(isa, &q, &keys, key_stride, scale as f32, &mut p);
                 for (g, e) in p.iter().zip(&want_p) {
-                    assert!((*g as f64 - e).abs() < 1e-6, "isa {isa}: p {g} vs {e}");
+                    assert!((*g as f64 - e).abs() < 1e-6, "isa {isa} len {len}: p {g} vs {e}");
                 }
                 let mut out = vec![0.5f32; dv]; // accumulates onto what is there
-                weighted_values_at(isa, &p, &values, stride, &mut out);
+                weighted_values_at(isa, &p, &values, value_stride, &mut out);
                 for (g, e) in out.iter().zip(&want_o) {
-                    assert!((*g as f64 - e).abs() < 1e-5, "isa {isa}: out {g} vs {e}");
+                    assert!((*g as f64 - e).abs() < 1e-5, "isa {isa} len {len}: out {g} vs {e}");
                 }
             }
         }

@@ -31,8 +31,8 @@ use crate::ops::Kernels;
 use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use difftx_kernels::decode::{
-    matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, weighted_values, PackedWeight,
-    WeightPrecision,
+    key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset, weighted_values,
+    PackedWeight, WeightPrecision, KV_CHUNK,
 };
 use rayon::prelude::*;
 
@@ -65,14 +65,15 @@ struct LayerWeights {
     mix: Mix,
 }
 
-/// The keys and values of one sequence. Layer l's keys are feature-major, `[n_kv, d, cap]` in
-/// `k[l]` (the scores of many positions are then summed side by side); its values are
-/// position-major, `[len, n_kv, d]` in `v[l]` (a weighted sum of rows). Capacity doubles when full,
-/// so appending is amortised O(1) and nothing is concatenated per token.
+/// The keys and values of one sequence, in chunks of `KV_CHUNK` positions (the layout
+/// `difftx_kernels::decode::KV_CHUNK` describes). Layer l's keys are `[chunks, n_kv, d, KV_CHUNK]`
+/// in `k[l]` (feature-major within a chunk: the scores of its positions are summed side by side),
+/// its values `[chunks, n_kv, KV_CHUNK, d]` in `v[l]` (a weighted sum of rows), so each head's
+/// chunk is one contiguous run. The cache grows by appending chunks, its capacity doubling (up to
+/// the context), so nothing is copied or concatenated per token.
 #[derive(Debug, Clone, Default)]
 pub struct SequenceCache {
     len: usize,
-    cap: usize,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
 }
@@ -87,17 +88,16 @@ impl SequenceCache {
         self.len == 0
     }
 
-    /// Forgets the sequence, keeping the allocations.
+    /// Forgets the sequence, keeping the allocations (what is left in them is never read as
+    /// keys or values of the new sequence: a position is written before it is attended to).
     pub fn clear(&mut self) {
         self.len = 0;
-        self.v.iter_mut().for_each(Vec::clear);
     }
 }
 
 /// One layer's cache of one sequence, as `attend` reads it.
 struct LayerCache<'a> {
-    keys_t: &'a [f32],
-    cap: usize,
+    keys: &'a [f32],
     values: &'a [f32],
     len: usize,
 }
@@ -274,24 +274,27 @@ impl Decoder {
     /// An empty cache for one sequence of this model.
     pub fn new_sequence(&self) -> SequenceCache {
         let n = self.layers.len();
-        SequenceCache { len: 0, cap: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+        SequenceCache { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
     }
 
-    /// Makes room in `seq` for at least `needed` positions (doubling, capped at the context).
+    /// Floats of one layer's chunk of `KV_CHUNK` positions: every kv head's keys (or values).
+    fn chunk_stride(&self) -> usize {
+        self.n_kv * self.head_dim * KV_CHUNK
+    }
+
+    /// Makes room in `seq` for at least `needed` positions, in whole chunks (the allocation
+    /// doubling, capped at the context, so appending is amortised O(1)).
     fn reserve(&self, seq: &mut SequenceCache, needed: usize) {
-        if needed <= seq.cap {
-            return;
-        }
-        let cap = needed.max(2 * seq.cap).max(16).min(self.max_seq_len).max(needed);
-        let rows = self.n_kv * self.head_dim;
-        for k in seq.k.iter_mut() {
-            let mut grown = vec![0f32; rows * cap];
-            for row in 0..rows {
-                grown[row * cap..row * cap + seq.len].copy_from_slice(&k[row * seq.cap..row * seq.cap + seq.len]);
+        let stride = self.chunk_stride();
+        let floats = needed.div_ceil(KV_CHUNK) * stride;
+        for layer in seq.k.iter_mut().chain(seq.v.iter_mut()) {
+            if floats > layer.len() {
+                let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
+                let capacity = floats.max(2 * layer.capacity()).min(most).max(floats);
+                layer.reserve_exact(capacity - layer.len());
+                layer.resize(floats, 0.0);
             }
-            *k = grown;
         }
-        seq.cap = cap;
     }
 
     /// Starts `seq` over with `prompt` and returns the logits of the prompt's last position,
@@ -378,6 +381,7 @@ impl Decoder {
             gained[s] += 1;
         }
         let (dm, d, dff) = (self.d_model, self.head_dim, self.d_ff);
+        let stride = self.chunk_stride();
         let (q_out, kv_out) = (self.n_q * d, self.n_kv * d);
         let qkv_width = self.layers.first().map_or(0, |l| l.qkv.out_dim());
         let longest = pos.iter().map(|p| p + 1).max().unwrap_or(0);
@@ -426,20 +430,22 @@ impl Decoder {
                 self.rope(q, pos[i], &mut q_rot[i * q_out..(i + 1) * q_out]);
                 self.rope(k, pos[i], &mut k_rot);
                 let seq = &mut *seqs[s];
-                let cap = seq.cap;
-                for (feature, &kv) in k_rot.iter().enumerate() {
-                    seq.k[l][feature * cap + pos[i]] = kv;
+                for (h, (k, v)) in k_rot.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+                    let keys = &mut seq.k[l][h * d * KV_CHUNK..];
+                    for (feature, &kv) in k.iter().enumerate() {
+                        keys[key_offset(pos[i], feature, stride)] = kv;
+                    }
+                    let at = h * KV_CHUNK * d + value_offset(pos[i], d, stride);
+                    seq.v[l][at..at + d].copy_from_slice(v);
                 }
-                seq.v[l].extend_from_slice(v);
             }
-            let caches: Vec<(&[f32], usize, &[f32])> =
-                seqs.iter().map(|s| (s.k[l].as_slice(), s.cap, s.v[l].as_slice())).collect();
+            let caches: Vec<(&[f32], &[f32])> = seqs.iter().map(|s| (s.k[l].as_slice(), s.v[l].as_slice())).collect();
             // Group `g` of row `i`: its output units from `g * units / groups` on.
             let attend_group = |scratch: &mut Scratch, task: usize, out: &mut [f32]| {
                 let (i, g) = (task / groups, task % groups);
-                let (keys_t, cap, values) = caches[rows[i].0];
+                let (keys, values) = caches[rows[i].0];
                 let lambda_logits = &qkv[i * qkv_width + q_out + 2 * kv_out..(i + 1) * qkv_width];
-                let cache = LayerCache { keys_t, cap, values, len: pos[i] + 1 };
+                let cache = LayerCache { keys, values, len: pos[i] + 1 };
                 let first = g * units / groups;
                 out.fill(0.0);
                 self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, first, scratch, out);
@@ -507,19 +513,19 @@ impl Decoder {
         out: &mut [f32],
     ) {
         let d = self.head_dim;
-        let (cap, len, stride) = (cache.cap, cache.len, self.n_kv * d);
+        let (len, stride) = (cache.len, self.chunk_stride());
         let scale = 1.0 / (d as f32).sqrt();
         let Scratch { p1, p2, pair } = scratch;
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
-        // Head h's keys [d, cap] and its values from the first position to the last.
-        let keys = |h: usize| &cache.keys_t[h * d * cap..(h + 1) * d * cap];
-        let values = |h: usize| &cache.values[h * d..(len - 1) * stride + (h + 1) * d];
+        // Head h's keys and values, from its part of the first chunk on.
+        let keys = |h: usize| &cache.keys[h * d * KV_CHUNK..];
+        let values = |h: usize| &cache.values[h * KV_CHUNK * d..];
         match mix {
             Mix::Baseline => {
                 let group = self.n_q / self.n_kv;
                 for (i, o) in (first..).zip(out.chunks_exact_mut(d)) {
-                    softmax_scores(q_head(i), keys(i / group), cap, scale, p1);
+                    softmax_scores(q_head(i), keys(i / group), stride, scale, p1);
                     weighted_values(p1, values(i / group), stride, o);
                 }
             }
@@ -528,8 +534,8 @@ impl Decoder {
                 for (j, o) in (first..).zip(out.chunks_exact_mut(2 * d)) {
                     let (qa, qb) = self.pairing.pair(j, self.n_q);
                     let (ka, kb) = self.pairing.pair(j / group, self.n_kv);
-                    softmax_scores(q_head(qa), keys(ka), cap, scale, p1);
-                    softmax_scores(q_head(qb), keys(kb), cap, scale, p2);
+                    softmax_scores(q_head(qa), keys(ka), stride, scale, p1);
+                    softmax_scores(q_head(qb), keys(kb), stride, scale, p2);
                     p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
                     // The pair's value is [v_ka | v_kb] (width 2d).
                     pair.fill(0.0);
@@ -548,8 +554,8 @@ impl Decoder {
                 for (j, o) in (first..).zip(out.chunks_exact_mut(d)) {
                     let lambda = 1.0 / (1.0 + (-lambda_logits[j]).exp());
                     let kv = 2 * j / group;
-                    softmax_scores(q_head(2 * j), keys(kv), cap, scale, p1);
-                    softmax_scores(q_head(2 * j + 1), keys(kv), cap, scale, p2);
+                    softmax_scores(q_head(2 * j), keys(kv), stride, scale, p1);
+                    softmax_scores(q_head(2 * j + 1), keys(kv), stride, scale, p2);
                     p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
                     weighted_values(p1, values(kv), stride, o);
                 }
