@@ -97,10 +97,10 @@ mod body {
         }
     }
 
-    /// One block of weights widened to f32: by `Element::widen_block_avx2` where `AVX2` (the
-    /// variants built for CPUs with it), by a plain loop elsewhere.
+    /// `WIDEN` weights widened to f32: by `Element::widen_block_avx2` where `AVX2` (the variants
+    /// built for CPUs with it), by a plain loop elsewhere.
     #[inline(always)]
-    fn widen<E: Element, const AVX2: bool>(src: &[E; super::BLOCK], dst: &mut [f32; super::BLOCK]) {
+    fn widen<E: Element, const AVX2: bool>(src: &[E; super::WIDEN], dst: &mut [f32; super::WIDEN]) {
         #[cfg(target_arch = "x86_64")]
         if AVX2 {
             // SAFETY: AVX2 is set only in the variants compiled for (and picked on) CPUs with AVX2.
@@ -123,11 +123,12 @@ mod body {
         col0: usize,
     ) -> usize {
         const C: usize = super::PANEL;
-        const B: usize = super::BLOCK;
+        const G: usize = super::WIDEN;
+        let b = E::BLOCK;
         let xs: [&[f32]; R] =
             std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
         let len = inputs.len();
-        // This chunk's blocks of B columns, each [len, B].
+        // This chunk's blocks of b columns, each [len, b].
         let blocks = &panel[inputs.start * C..inputs.end * C];
         for c in (0..C).step_by(CB) {
             let mut acc = [[0f32; CB]; R];
@@ -137,23 +138,24 @@ mod body {
                     a.copy_from_slice(&y[at..at + CB]);
                 }
             }
-            // The CB / B blocks this pass reads (of the chunk's C / B), each [len, B].
-            let runs: [&[E]; C / B] = std::array::from_fn(|j| {
-                let b = c / B + j;
-                if j < CB / B {
-                    &blocks[b * len * B..(b + 1) * len * B]
+            // The CB / G groups of G columns this pass reads (of the chunk's C / G): group j's
+            // weights of input i are `runs[j][i * b..][..G]`, within its block.
+            let runs: [&[E]; C / G] = std::array::from_fn(|j| {
+                let col = c + j * G;
+                if j < CB / G {
+                    &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
                 } else {
                     &[]
                 }
             });
             for i in 0..len {
                 let mut wf = [0f32; CB];
-                for (run, dst) in runs.iter().zip(wf.chunks_exact_mut(B)) {
+                for (run, dst) in runs.iter().zip(wf.chunks_exact_mut(G)) {
                     if R > 1 && r0 == 0 {
                         // The same place in the next chunk (of the same length but the last).
-                        prefetch(run.as_ptr().wrapping_add(len * C + i * B));
+                        prefetch(run.as_ptr().wrapping_add(len * C + i * b));
                     }
-                    widen::<E, AVX2>(run[i * B..(i + 1) * B].try_into().unwrap(), dst.try_into().unwrap());
+                    widen::<E, AVX2>(run[i * b..i * b + G].try_into().unwrap(), dst.try_into().unwrap());
                 }
                 for r in 0..R {
                     let xv = xs[r][i];
@@ -344,26 +346,32 @@ macro_rules! dispatch {
 const PANEL: usize = 64;
 /// Inputs per chunk of a full panel (64 × 64 f32: 16 KiB, kept in L1 while every row uses it).
 const CHUNK: usize = 64;
-/// Columns per block within a chunk: the narrowest pass (AVX2's 16 sums per row) reads one block
-/// front to back.
-const BLOCK: usize = 16;
+/// Bytes of one input's weights in a block of columns within a chunk: one cache line, so that a
+/// pass over any of a block's columns brings in whole lines, and consecutive inputs' lines follow
+/// one another (16 columns of f32, 32 of bf16, 64 of int8: the whole panel).
+const BLOCK_BYTES: usize = 64;
+/// Columns widened to f32 at a time: AVX2's 16 sums per row, the narrowest pass.
+const WIDEN: usize = 16;
 
 /// A weight element the packed kernel reads: f32, or bf16 / int8 codes widened to f32 on load.
 pub trait Element: Copy + Send + Sync {
+    /// Columns per block within a chunk of a packed panel (`BLOCK_BYTES` per input).
+    const BLOCK: usize = BLOCK_BYTES / std::mem::size_of::<Self>();
+
     fn to_f32(self) -> f32;
 
-    /// A block's `BLOCK` (16) weights widened to f32 with AVX2 instructions, written out rather
-    /// than left to the compiler: its vectorisation of the plain loop came and went with
-    /// unrelated changes elsewhere in this file (once making int8 batch-1 decode 7× slower).
+    /// `WIDEN` (16) weights widened to f32 with AVX2 instructions, written out rather than left
+    /// to the compiler: its vectorisation of the plain loop came and went with unrelated changes
+    /// elsewhere in this file (once making int8 batch-1 decode 7× slower).
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn widen_block_avx2(src: &[Self; BLOCK], dst: &mut [f32; BLOCK]);
+    unsafe fn widen_block_avx2(src: &[Self; WIDEN], dst: &mut [f32; WIDEN]);
 }
 
-// The AVX2 widenings below take a block as two halves of 8.
-const _: () = assert!(BLOCK == 16);
+// The AVX2 widenings below take 16 weights as two halves of 8.
+const _: () = assert!(WIDEN == 16);
 
 impl Element for f32 {
     #[inline(always)]
@@ -374,7 +382,7 @@ impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[f32; BLOCK], dst: &mut [f32; BLOCK]) {
+    unsafe fn widen_block_avx2(src: &[f32; WIDEN], dst: &mut [f32; WIDEN]) {
         *dst = *src;
     }
 }
@@ -400,7 +408,7 @@ impl Element for Bf16 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[Bf16; BLOCK], dst: &mut [f32; BLOCK]) {
+    unsafe fn widen_block_avx2(src: &[Bf16; WIDEN], dst: &mut [f32; WIDEN]) {
         use std::arch::x86_64::*;
         for half in 0..2 {
             // SAFETY: 8 codes (16 bytes) at 8·half lie in src, 8 floats at 8·half in dst.
@@ -422,7 +430,7 @@ impl Element for i8 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[i8; BLOCK], dst: &mut [f32; BLOCK]) {
+    unsafe fn widen_block_avx2(src: &[i8; WIDEN], dst: &mut [f32; WIDEN]) {
         use std::arch::x86_64::*;
         // SAFETY: src is 16 bytes, dst 16 floats.
         unsafe {
@@ -483,11 +491,12 @@ enum PackedData {
 
 /// A Linear layer's weight (`[out, in]`, PyTorch's layout) re-laid out for [`matmul_packed`]:
 /// panels of 64 output columns stored one after the other. A full panel is a run of chunks of 64
-/// inputs (the last one shorter), each chunk four blocks of 16 columns, each block `[inputs, 16]`;
+/// inputs (the last one shorter), each chunk blocks of one cache line's columns (`Element::BLOCK`:
+/// four blocks of 16 in f32, two of 32 in bf16, one of 64 in int8), each block `[inputs, columns]`;
 /// the last panel, when narrower, is `[in, width]`. A pass over some of a chunk's columns then
-/// reads whole blocks front to back. (With plain `[in, 64]` panels AVX2's 16-column passes over
-/// several rows read 64 of every 256 bytes, and ran at half the speed of the same product from
-/// cache; docs/design.md §7.7 has the measurements.)
+/// reads whole lines, one input after another. (With plain `[in, 64]` f32 panels AVX2's 16-column
+/// passes over several rows read 64 of every 256 bytes, and ran at half the speed of the same
+/// product from cache; docs/design.md §7.7 has the measurements.)
 #[derive(Debug, Clone)]
 pub struct PackedWeight {
     data: PackedData,
@@ -511,13 +520,14 @@ impl PackedWeight {
         let out = w.len() / in_dim;
         let at = |(o, i): (usize, usize)| w[o * in_dim + i];
         let data = match precision {
-            WeightPrecision::F32 => PackedData::F32(packed_order(out, in_dim).map(at).collect()),
+            WeightPrecision::F32 => PackedData::F32(packed_order(out, in_dim, f32::BLOCK).map(at).collect()),
             WeightPrecision::Bf16 => {
-                PackedData::Bf16(packed_order(out, in_dim).map(|oi| Bf16::from_f32(at(oi))).collect())
+                PackedData::Bf16(packed_order(out, in_dim, Bf16::BLOCK).map(|oi| Bf16::from_f32(at(oi))).collect())
             }
             WeightPrecision::Int8 => {
                 let scales: Vec<f32> = w.chunks_exact(in_dim).map(int8_scale).collect();
-                let codes = packed_order(out, in_dim).map(|oi| int8_code(at(oi), scales[oi.0])).collect();
+                let order = packed_order(out, in_dim, i8::BLOCK);
+                let codes = order.map(|oi| int8_code(at(oi), scales[oi.0])).collect();
                 PackedData::Int8(codes, scales)
             }
         };
@@ -540,8 +550,9 @@ impl PackedWeight {
     }
 }
 
-/// (output column, input) of each position of a [`PackedWeight`] in turn.
-fn packed_order(out: usize, in_dim: usize) -> impl Iterator<Item = (usize, usize)> {
+/// (output column, input) of each position of a [`PackedWeight`] in turn, its chunks in blocks of
+/// `block` columns (`Element::BLOCK` of the stored type).
+fn packed_order(out: usize, in_dim: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..out).step_by(PANEL).flat_map(move |c0| -> Box<dyn Iterator<Item = (usize, usize)>> {
         if out - c0 < PANEL {
             return Box::new((0..in_dim).flat_map(move |i| (c0..out).map(move |o| (o, i))));
@@ -549,8 +560,8 @@ fn packed_order(out: usize, in_dim: usize) -> impl Iterator<Item = (usize, usize
         Box::new((0..in_dim).step_by(CHUNK).flat_map(move |i0| {
             let inputs = i0..(i0 + CHUNK).min(in_dim);
             (c0..c0 + PANEL)
-                .step_by(BLOCK)
-                .flat_map(move |b0| inputs.clone().flat_map(move |i| (b0..b0 + BLOCK).map(move |o| (o, i))))
+                .step_by(block)
+                .flat_map(move |b0| inputs.clone().flat_map(move |i| (b0..b0 + block).map(move |o| (o, i))))
         }))
     })
 }
