@@ -41,43 +41,30 @@ fn probe() {
             );
         }
     }
+    let ws: Vec<PackedWeight> = (0..28)
+        .map(|k| PackedWeight::from_rows(&(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(), 256))
+        .collect();
     for rows in [1usize, 2, 3, 4, 5, 6, 8, 16] {
-        let ws: Vec<PackedWeight> = (0..28)
-            .map(|k| {
-                PackedWeight::from_rows(&(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(), 256)
-            })
-            .collect();
-        let x = vec![0.5f32; rows * 256];
-        let mut y = vec![0f32; rows * 704];
-        let reps = 100;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            for w in &ws {
-                matmul_packed(&x, w, &mut y);
-            }
-        }
-        let s = t0.elapsed().as_secs_f64();
-        println!("F32 {rows} rows: {:.1} GMAC/s", (reps * 28 * rows * 704 * 256) as f64 / s / 1e9);
+        println!("F32 {rows} rows: {:.1} GMAC/s", rows_gmacs(&ws, rows, 100));
     }
-    cached_rows();
+    // One 256 × 256 weight (256 KiB, kept in cache): the kernel's own speed, to set beside the
+    // same row counts from memory above.
+    let cached = [PackedWeight::from_rows(&(0..256 * 256).map(|i| (i % 7) as f32 * 0.1).collect::<Vec<_>>(), 256)];
+    for rows in [1usize, 2, 3, 4, 6, 8, 16] {
+        println!("F32 {rows} rows, one 256x256 weight (cache): {:.1} GMAC/s", rows_gmacs(&cached, rows, 20000 / rows));
+    }
 }
 
-/// Several rows against one 256 × 256 weight (256 KiB, kept in cache): the kernel's own speed,
-/// to set beside the same row counts from memory above.
-fn cached_rows() {
-    let w = PackedWeight::from_rows(&(0..256 * 256).map(|i| (i % 7) as f32 * 0.1).collect::<Vec<_>>(), 256);
-    for rows in [1usize, 2, 3, 4, 6, 8, 16] {
-        let x = vec![0.5f32; rows * 256];
-        let mut y = vec![0f32; rows * 256];
-        let reps = 20000 / rows;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps {
-            matmul_packed(&x, &w, &mut y);
+/// GMAC/s of `rows` rows multiplied by every weight of `ws` in turn, `reps` times.
+fn rows_gmacs(ws: &[PackedWeight], rows: usize, reps: usize) -> f64 {
+    let x = vec![0.5f32; rows * ws[0].in_dim()];
+    let mut y = vec![0f32; rows * ws[0].out_dim()];
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        for w in ws {
+            matmul_packed(&x, w, &mut y);
         }
-        let s = t0.elapsed().as_secs_f64();
-        println!(
-            "F32 {rows} rows, one 256x256 weight (cache): {:.1} GMAC/s",
-            (reps * rows * 256 * 256) as f64 / s / 1e9
-        );
     }
+    let macs: usize = ws.iter().map(|w| rows * w.in_dim() * w.out_dim()).sum();
+    (reps * macs) as f64 / t0.elapsed().as_secs_f64() / 1e9
 }

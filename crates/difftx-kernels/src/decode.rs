@@ -153,6 +153,8 @@ mod body {
                 for (run, dst) in runs.iter().zip(wf.chunks_exact_mut(G)) {
                     if R > 1 && r0 == 0 {
                         // The same place in the next chunk (of the same length but the last).
+                        // bf16 and int8 lines hold several groups, so a line may be asked for
+                        // more than once; asking once per line measured no faster.
                         prefetch(run.as_ptr().wrapping_add(len * C + i * b));
                     }
                     widen::<E, AVX2>(run[i * b..i * b + G].try_into().unwrap(), dst.try_into().unwrap());
@@ -790,9 +792,10 @@ mod tests {
         // first chunk, whole chunks, whole chunks and a partial one, a head not multiple of 32.
         for &(len, dk, dv, gap) in &[(1, 4, 4, 0), (7, 33, 5, 3), (130, 32, 64, 96), (64, 8, 32, 0), (200, 16, 48, 5)] {
             let q = random(dk, &mut rng);
-            let (key, value) = (random(len * dk, &mut rng), random(len * dv, &mut rng)); // [s, ..]
-                                                                                         // Chunked as the kernels read them; unused places (the last chunk's tail, gaps
-                                                                                         // between chunks) hold values that would show if read.
+            // Keys and values position-major, [s, ..].
+            let (key, value) = (random(len * dk, &mut rng), random(len * dv, &mut rng));
+            // Chunked as the kernels read them; unused places (the last chunk's tail, gaps
+            // between chunks) hold values that would show if read.
             let (key_stride, value_stride) = (dk * KV_CHUNK + gap, dv * KV_CHUNK + gap);
             let chunks = len.div_ceil(KV_CHUNK);
             let mut keys = vec![1e3f32; chunks * key_stride];

@@ -282,14 +282,19 @@ impl Decoder {
         self.n_kv * self.head_dim * KV_CHUNK
     }
 
+    /// Where kv head h's part of every chunk starts in a layer's keys (and values).
+    fn head_offset(&self, h: usize) -> usize {
+        h * self.head_dim * KV_CHUNK
+    }
+
     /// Makes room in `seq` for at least `needed` positions, in whole chunks (the allocation
     /// doubling, capped at the context, so appending is amortised O(1)).
     fn reserve(&self, seq: &mut SequenceCache, needed: usize) {
         let stride = self.chunk_stride();
         let floats = needed.div_ceil(KV_CHUNK) * stride;
+        let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
         for layer in seq.k.iter_mut().chain(seq.v.iter_mut()) {
             if floats > layer.len() {
-                let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
                 let capacity = floats.max(2 * layer.capacity()).min(most).max(floats);
                 layer.reserve_exact(capacity - layer.len());
                 layer.resize(floats, 0.0);
@@ -431,11 +436,11 @@ impl Decoder {
                 self.rope(k, pos[i], &mut k_rot);
                 let seq = &mut *seqs[s];
                 for (h, (k, v)) in k_rot.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
-                    let keys = &mut seq.k[l][h * d * KV_CHUNK..];
+                    let keys = &mut seq.k[l][self.head_offset(h)..];
                     for (feature, &kv) in k.iter().enumerate() {
                         keys[key_offset(pos[i], feature, stride)] = kv;
                     }
-                    let at = h * KV_CHUNK * d + value_offset(pos[i], d, stride);
+                    let at = self.head_offset(h) + value_offset(pos[i], d, stride);
                     seq.v[l][at..at + d].copy_from_slice(v);
                 }
             }
@@ -519,8 +524,8 @@ impl Decoder {
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
         // Head h's keys and values, from its part of the first chunk on.
-        let keys = |h: usize| &cache.keys[h * d * KV_CHUNK..];
-        let values = |h: usize| &cache.values[h * KV_CHUNK * d..];
+        let keys = |h: usize| &cache.keys[self.head_offset(h)..];
+        let values = |h: usize| &cache.values[self.head_offset(h)..];
         match mix {
             Mix::Baseline => {
                 let group = self.n_q / self.n_kv;
