@@ -12,7 +12,8 @@
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
 //!   greedy — the fused decoder (what `generate` runs), the tensor path beside it, and the fused
 //!   decoder stepping `decode_batches` sequences at once. The families' fused decoders are timed
-//!   side by side too, a block of steps of each in turn.
+//!   side by side too, a block of steps of each in turn, and each of their figures is the median
+//!   of [`DECODE_RUNS`] runs.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
 //!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
@@ -328,6 +329,50 @@ fn bench_train_interleaved(opts: &BenchOptions, runs: &mut [TrainBench], steps: 
 /// after the other in the same hour.
 const DECODE_BLOCK: usize = 64;
 
+/// Timed decode runs per measurement, of which the median is reported: one run of 256 bench-s
+/// tokens lasts ~0.1 s on the 2-core machines, short enough for one slow moment of a shared host
+/// to halve it (the Zen 5 side-by-side of 2026-12-02 saw 1,563 and 3,619 tokens/s in one set).
+const DECODE_RUNS: usize = 5;
+
+/// One decoder's [`DECODE_RUNS`] runs.
+struct DecodeRuns {
+    /// The first sequence's tokens (the same every run: greedy).
+    tokens: Vec<u32>,
+    median_secs: f64,
+    /// Every run's seconds, in run order.
+    secs: Vec<f64>,
+}
+
+/// [`decode_interleaved`] [`DECODE_RUNS`] times, per decoder.
+fn decode_median(
+    decoders: &[Decoder],
+    prompts: &[Vec<u32>],
+    seqs: usize,
+    new_tokens: usize,
+    time_prefill: bool,
+) -> Result<Vec<DecodeRuns>> {
+    let mut runs: Vec<(Vec<u32>, Vec<f64>)> = Vec::new();
+    for _ in 0..DECODE_RUNS {
+        for (i, (out, secs)) in
+            decode_interleaved(decoders, prompts, seqs, new_tokens, time_prefill)?.into_iter().enumerate()
+        {
+            match runs.get_mut(i) {
+                Some((first, all)) if *first == out => all.push(secs),
+                Some(_) => bail!("decode chose different greedy tokens in two runs of one decoder"),
+                None => runs.push((out, vec![secs])),
+            }
+        }
+    }
+    Ok(runs
+        .into_iter()
+        .map(|(tokens, secs)| {
+            let mut sorted = secs.clone();
+            sorted.sort_by(f64::total_cmp);
+            DecodeRuns { tokens, median_secs: sorted[sorted.len() / 2], secs }
+        })
+        .collect())
+}
+
 /// Greedy decoding with every decoder side by side, [`DECODE_BLOCK`] steps of each in turn (as
 /// training is timed one step of each), so that a shared host's swings fall on all of them alike.
 /// Each decoder prefills `seqs` sequences with its prompt, then steps them together until each
@@ -389,29 +434,29 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
     }
     let n = opts.decode_tokens;
     let per_sec = |n: usize, secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
-    let timed = |precision: WeightPrecision| -> Result<Vec<(Vec<u32>, f64)>> {
+    let timed = |precision: WeightPrecision| -> Result<Vec<DecodeRuns>> {
         let decoders = models.iter().map(|m| Decoder::with_precision(m, precision)).collect::<Result<Vec<_>, _>>()?;
         decode_interleaved(&decoders, &prompts, 1, 4.min(n), true)?; // warms the allocator and caches
-        decode_interleaved(&decoders, &prompts, 1, n, true)
+        decode_median(&decoders, &prompts, 1, n, true)
     };
     let f32_runs = timed(WeightPrecision::F32)?;
     let mut reduced: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
     // bf16 and int8 weights through the same fused decoder (tokens may differ from f32).
     for (name, precision) in [("bf16", WeightPrecision::Bf16), ("int8", WeightPrecision::Int8)] {
-        for (into, (out, secs)) in reduced.iter_mut().zip(timed(precision)?) {
-            into.insert(name.into(), json!(per_sec(out.len(), secs)));
+        for (into, runs) in reduced.iter_mut().zip(timed(precision)?) {
+            into.insert(name.into(), json!(per_sec(runs.tokens.len(), runs.median_secs)));
         }
     }
     let mut batched: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
     let decoders = models.iter().map(Decoder::new).collect::<Result<Vec<_>, _>>()?;
     for &b in &opts.decode_batches {
-        for (into, (_, secs)) in batched.iter_mut().zip(decode_interleaved(&decoders, &prompts, b, n, false)?) {
-            into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), secs)));
+        for (into, runs) in batched.iter_mut().zip(decode_median(&decoders, &prompts, b, n, false)?) {
+            into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), runs.median_secs)));
         }
     }
     let mut report = Map::new();
     for (i, &family) in opts.families.iter().enumerate() {
-        let (out, secs) = &f32_runs[i];
+        let DecodeRuns { tokens: out, median_secs: secs, secs: runs } = &f32_runs[i];
         let greedy = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
         generate_with_forward(&models[i], &prompts[i], 4.min(n), &mut greedy?, |_| Ok(()))?;
         let t0 = Instant::now();
@@ -426,12 +471,13 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
         }
         let r = json!({
             "tokens_per_sec": per_sec(out.len(), *secs),
+            "tokens_per_sec_runs": runs.iter().map(|&r| per_sec(out.len(), r)).collect::<Vec<_>>(),
             "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
             "tokens_per_sec_by_weight_precision": reduced[i],
             "batched_tokens_per_sec": batched[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
-            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); tokens_per_sec: the fused decoder, f32, prompt included; tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)"),
+            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)"),
         });
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);

@@ -13,7 +13,14 @@ fn quick_bench_reports_every_part() {
         // Random tokens over a 256-byte vocabulary: the loss starts near ln 256 = 5.55.
         assert!(loss > 4.0 && loss < 7.0, "{f}: loss {loss}");
         assert_eq!(r["decode"][f]["new_tokens"].as_u64(), Some(opts.decode_tokens as u64));
-        assert!(r["decode"][f]["tokens_per_sec"].as_f64().unwrap() > 0.0);
+        let tps = r["decode"][f]["tokens_per_sec"].as_f64().unwrap();
+        assert!(tps > 0.0);
+        // The figure is the median of the runs listed beside it.
+        let mut runs: Vec<f64> =
+            r["decode"][f]["tokens_per_sec_runs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        runs.sort_by(f64::total_cmp);
+        assert_eq!(runs.len(), 5, "{f}");
+        assert_eq!(runs[2], tps, "{f}: {runs:?}");
         // The fused kernels' attention time is a part of the step, forward and backward.
         let share = r["train"][f]["attention_kernels_share_of_step"].as_f64().unwrap();
         assert!(share > 0.0 && share < 1.0, "{f}: attention share {share}");
