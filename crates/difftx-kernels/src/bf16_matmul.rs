@@ -17,8 +17,9 @@
 //! valid part stored. Two backends, one packed format:
 //! * **AMX** (`tdpbf16ps`, Intel Sapphire Rapids and later): four 16×16 f32 accumulator tiles per
 //!   32×32 block, 16×32 bf16 tiles of A and 16-pair × 16 tiles of B, 32 values of k per step.
-//! * **AVX512_BF16** (`vdpbf16ps`, AMD Zen 4, Intel Cooper Lake and later): 8 rows × 32 columns of
-//!   accumulators; each step broadcasts one (k, k+1) pair of a row of A against a pair row of B.
+//! * **AVX512_BF16** (`vdpbf16ps`, AMD Zen 4 and Zen 5, Intel Cooper Lake and later): 8 rows × 32
+//!   columns of accumulators; each step broadcasts one (k, k+1) pair of a row of A against a pair
+//!   row of B.
 //!
 //! Where neither exists, [`bf16_backend`] is `None` and callers stay in f32 (the model's
 //! `--precision bf16` says so). The order of summation differs between the backends (AMX adds a
