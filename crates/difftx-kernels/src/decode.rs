@@ -50,7 +50,7 @@ mod body {
     /// multiply-adds (only where the CPU has them).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub fn panel<E: Element, const FMA: bool, const AVX2: bool, const RG: usize, const CB: usize, const CB2: usize>(
+    pub fn panel<E: Element, const FMA: bool, const WIDE: u8, const RG: usize, const CB: usize, const CB2: usize>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -69,10 +69,10 @@ mod body {
             while r0 < rows {
                 let i = inputs.clone();
                 r0 += match rows - r0 {
-                    left if left >= RG => chunk::<E, RG, CB, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
-                    1 => chunk::<E, 1, { super::PANEL }, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
-                    2 => chunk::<E, 2, CB2, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
-                    _ => chunk::<E, 3, CB, FMA, AVX2>(x, in_dim, panel, i, r0, y, ld, col0),
+                    left if left >= RG => chunk::<E, RG, CB, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
+                    1 => chunk::<E, 1, { super::PANEL }, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
+                    2 => chunk::<E, 2, CB2, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
+                    _ => chunk::<E, 3, CB, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
                 };
             }
         }
@@ -97,13 +97,13 @@ mod body {
         }
     }
 
-    /// `WIDEN` weights widened to f32: by `Element::widen_block_avx2` where `AVX2` (the variants
-    /// built for CPUs with it), by a plain loop elsewhere.
+    /// `WIDEN` weights widened to f32: by `Element::widen_block_avx2` where `WIDE` >= 1 (the
+    /// variants built for CPUs with AVX2), by a plain loop elsewhere.
     #[inline(always)]
-    fn widen<E: Element, const AVX2: bool>(src: &[E; super::WIDEN], dst: &mut [f32; super::WIDEN]) {
+    fn widen<E: Element, const WIDE: u8>(src: &[E; super::WIDEN], dst: &mut [f32; super::WIDEN]) {
         #[cfg(target_arch = "x86_64")]
-        if AVX2 {
-            // SAFETY: AVX2 is set only in the variants compiled for (and picked on) CPUs with AVX2.
+        if WIDE >= 1 {
+            // SAFETY: WIDE is 1 or 2 only in variants compiled for (and picked on) CPUs with AVX2.
             return unsafe { E::widen_block_avx2(src, dst) };
         }
         dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
@@ -112,7 +112,7 @@ mod body {
     /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const AVX2: bool>(
+    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -122,6 +122,11 @@ mod body {
         ld: usize,
         col0: usize,
     ) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if WIDE == 2 {
+            // SAFETY: WIDE is 2 only in the variant compiled for (and picked on) CPUs with AVX-512F.
+            return unsafe { avx512_chunk::<E, R>(x, in_dim, panel, inputs, r0, y, ld, col0) };
+        }
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
@@ -157,7 +162,7 @@ mod body {
                         // more than once; asking once per line measured no faster.
                         prefetch(run.as_ptr().wrapping_add(len * C + i * b));
                     }
-                    widen::<E, AVX2>(run[i * b..i * b + G].try_into().unwrap(), dst.try_into().unwrap());
+                    widen::<E, WIDE>(run[i * b..i * b + G].try_into().unwrap(), dst.try_into().unwrap());
                 }
                 for r in 0..R {
                     let xv = xs[r][i];
@@ -169,6 +174,82 @@ mod body {
             for (r, a) in acc.iter().enumerate() {
                 let at = (r0 + r) * ld + col0 + c;
                 y[at..at + CB].copy_from_slice(a);
+            }
+        }
+        R
+    }
+
+    /// [`chunk`] for AVX-512 with its sums in registers, written out: the plain code widened the
+    /// 64 columns into a stack array and read them back (a store and a reload per 16 columns, and
+    /// two 32-byte stores read back as one 64-byte load stall), and its compiled form came and
+    /// went with unrelated edits (design.md §7.12). The same fused multiply-adds in the same
+    /// order as the plain code of the AVX2 variant: the same bits (tested).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn avx512_chunk<E: Element, const R: usize>(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[E],
+        inputs: std::ops::Range<usize>,
+        r0: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        const C: usize = super::PANEL;
+        const G: usize = super::WIDEN;
+        const GROUPS: usize = C / G;
+        let b = E::BLOCK;
+        let len = inputs.len();
+        let xs: [&[f32]; R] =
+            std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+        let blocks = &panel[inputs.start * C..inputs.end * C];
+        // Group j (columns 16j..16j + 16) of input i: `runs[j][i * b..][..G]`, within its block.
+        let runs: [&[E]; GROUPS] = std::array::from_fn(|j| {
+            let col = j * G;
+            &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
+        });
+        let rows: [&mut [f32]; R] = {
+            let mut rest = &mut y[r0 * ld + col0..];
+            std::array::from_fn(|r| {
+                let (row, tail) = std::mem::take(&mut rest).split_at_mut(if r + 1 < R { ld } else { C });
+                rest = tail;
+                &mut row[..C]
+            })
+        };
+        // SAFETY (every intrinsic below): AVX-512F is present (the caller's contract); loads and
+        // stores stay inside `rows` (64 floats each) and `runs` (slices checked by indexing).
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); GROUPS]; R];
+            if inputs.start > 0 {
+                for (a, row) in acc.iter_mut().zip(&rows) {
+                    for (j, v) in a.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(row[j * G..].as_ptr());
+                    }
+                }
+            }
+            for i in 0..len {
+                let xv: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(xs[r][i]));
+                for (j, run) in runs.iter().enumerate() {
+                    if R > 1 && r0 == 0 {
+                        // The same place in the next chunk, as in `chunk`.
+                        prefetch(run.as_ptr().wrapping_add(len * C + i * b));
+                    }
+                    let w = E::load_avx512(run[i * b..i * b + G].try_into().unwrap());
+                    for (a, &xr) in acc.iter_mut().zip(&xv) {
+                        a[j] = _mm512_fmadd_ps(xr, w, a[j]);
+                    }
+                }
+            }
+            for (a, row) in acc.iter().zip(rows) {
+                for (j, v) in a.iter().enumerate() {
+                    _mm512_storeu_ps(row[j * G..j * G + G].as_mut_ptr(), *v);
+                }
             }
         }
         R
@@ -291,22 +372,23 @@ mod body {
 }
 
 /// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
-/// (none for `base`), fused multiply-adds where `$fma`, AVX2 instructions written out where `$avx2`.
+/// (none for `base`), fused multiply-adds where `$fma`, the weights widened by AVX2 (`$wide` 1) or
+/// AVX-512 (2) instructions written out.
 macro_rules! isa_variants {
-    ($m:ident, $fma:literal, $avx2:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
+    ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
             use super::{body, Bf16};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<f32, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_bf16(x: &[f32], in_dim: usize, p: &[Bf16], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<Bf16, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<Bf16, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<i8, $fma, $avx2, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+                body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
@@ -324,11 +406,11 @@ macro_rules! isa_variants {
     };
 }
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx512, true, true, 4, 64, 64, "avx512f,avx2,fma");
+isa_variants!(avx512, true, 2, 4, 64, 64, "avx512f,avx2,fma");
 #[cfg(target_arch = "x86_64")]
-isa_variants!(avx2, true, true, 4, 16, 32, "avx2,fma");
+isa_variants!(avx2, true, 1, 4, 16, 32, "avx2,fma");
 // Baseline x86-64 (or another architecture): no FMA, whose software fallback would be slow.
-isa_variants!(base, false, false, 4, 16, 16);
+isa_variants!(base, false, 0, 4, 16, 16);
 
 /// Calls `$f` of the best variant at level `$isa`.
 macro_rules! dispatch {
@@ -371,6 +453,13 @@ pub trait Element: Copy + Send + Sync {
     /// The CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen_block_avx2(src: &[Self; WIDEN], dst: &mut [f32; WIDEN]);
+
+    /// `WIDEN` (16) weights widened to f32 in one AVX-512 register.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load_avx512(src: &[Self; WIDEN]) -> std::arch::x86_64::__m512;
 }
 
 // The AVX2 widenings below take 16 weights as two halves of 8.
@@ -387,6 +476,14 @@ impl Element for f32 {
     #[target_feature(enable = "avx2")]
     unsafe fn widen_block_avx2(src: &[f32; WIDEN], dst: &mut [f32; WIDEN]) {
         *dst = *src;
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_avx512(src: &[f32; WIDEN]) -> std::arch::x86_64::__m512 {
+        // SAFETY: src is 16 floats.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(src.as_ptr()) }
     }
 }
 
@@ -422,6 +519,18 @@ impl Element for Bf16 {
             }
         }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_avx512(src: &[Bf16; WIDEN]) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: src is 16 codes (32 bytes).
+        unsafe {
+            let codes = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(codes)))
+        }
+    }
 }
 
 impl Element for i8 {
@@ -443,6 +552,15 @@ impl Element for i8 {
             _mm256_storeu_ps(dst.as_mut_ptr(), lo);
             _mm256_storeu_ps(dst.as_mut_ptr().add(8), hi);
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_avx512(src: &[i8; WIDEN]) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: src is 16 bytes.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src.as_ptr() as *const __m128i))) }
     }
 }
 
@@ -759,16 +877,24 @@ mod tests {
             let tol = 1e-5 * (1.0 + in_dim as f64).sqrt();
             for (precision, want) in &cases {
                 let packed = PackedWeight::from_rows_as(&w, in_dim, *precision);
-                for isa in 0..=ISA_BEST {
+                let at = |isa: u8| {
                     let mut y = vec![f32::NAN; rows * out];
                     matmul_packed_at(isa, &x, &packed, &mut y);
-                    for (g, e) in y.iter().zip(want) {
+                    y
+                };
+                for isa in 0..=ISA_BEST {
+                    for (g, e) in at(isa).iter().zip(want) {
                         assert!(
                             (*g as f64 - e).abs() < tol,
                             "{precision:?} isa {isa} {rows}x{in_dim}x{out}: {g} vs {e}"
                         );
                     }
                 }
+                // The AVX-512 kernel (intrinsics) and the AVX2 one (plain code) take the same
+                // fused multiply-adds in the same order: the same bits (where the CPU has both;
+                // elsewhere both calls run one level).
+                let bits = |y: Vec<f32>| y.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                assert_eq!(bits(at(1)), bits(at(2)), "{precision:?} {rows}x{in_dim}x{out}");
             }
         }
     }
