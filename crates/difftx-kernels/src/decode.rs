@@ -109,6 +109,20 @@ mod body {
         dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
     }
 
+    /// Rows r0..r0 + R of x, each cut to `inputs`.
+    #[inline(always)]
+    fn row_inputs<const R: usize>(x: &[f32], in_dim: usize, r0: usize, inputs: std::ops::Range<usize>) -> [&[f32]; R] {
+        std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end])
+    }
+
+    /// The weights of the G columns from `col` in a chunk's blocks (b columns each, `[len, b]`):
+    /// input i's are `run[i * b..][..G]`, within their block.
+    #[inline(always)]
+    fn group_run<E: Element>(blocks: &[E], len: usize, col: usize) -> &[E] {
+        let b = E::BLOCK;
+        &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
+    }
+
     /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -130,8 +144,7 @@ mod body {
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
-        let xs: [&[f32]; R] =
-            std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
         let len = inputs.len();
         // This chunk's blocks of b columns, each [len, b].
         let blocks = &panel[inputs.start * C..inputs.end * C];
@@ -143,16 +156,9 @@ mod body {
                     a.copy_from_slice(&y[at..at + CB]);
                 }
             }
-            // The CB / G groups of G columns this pass reads (of the chunk's C / G): group j's
-            // weights of input i are `runs[j][i * b..][..G]`, within its block.
-            let runs: [&[E]; C / G] = std::array::from_fn(|j| {
-                let col = c + j * G;
-                if j < CB / G {
-                    &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
-                } else {
-                    &[]
-                }
-            });
+            // The CB / G groups of G columns this pass reads (of the chunk's C / G).
+            let runs: [&[E]; C / G] =
+                std::array::from_fn(|j| if j < CB / G { group_run(blocks, len, c + j * G) } else { &[] });
             for i in 0..len {
                 let mut wf = [0f32; CB];
                 for (run, dst) in runs.iter().zip(wf.chunks_exact_mut(G)) {
@@ -206,14 +212,10 @@ mod body {
         const GROUPS: usize = C / G;
         let b = E::BLOCK;
         let len = inputs.len();
-        let xs: [&[f32]; R] =
-            std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
         let blocks = &panel[inputs.start * C..inputs.end * C];
-        // Group j (columns 16j..16j + 16) of input i: `runs[j][i * b..][..G]`, within its block.
-        let runs: [&[E]; GROUPS] = std::array::from_fn(|j| {
-            let col = j * G;
-            &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
-        });
+        // Group j: columns 16j..16j + 16.
+        let runs: [&[E]; GROUPS] = std::array::from_fn(|j| group_run(blocks, len, j * G));
         let rows: [&mut [f32]; R] = {
             let mut rest = &mut y[r0 * ld + col0..];
             std::array::from_fn(|r| {
