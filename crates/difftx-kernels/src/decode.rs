@@ -97,18 +97,6 @@ mod body {
         }
     }
 
-    /// `WIDEN` weights widened to f32: by `Element::widen_block_avx2` where `WIDE` >= 1 (the
-    /// variants built for CPUs with AVX2), by a plain loop elsewhere.
-    #[inline(always)]
-    fn widen<E: Element, const WIDE: u8>(src: &[E; super::WIDEN], dst: &mut [f32; super::WIDEN]) {
-        #[cfg(target_arch = "x86_64")]
-        if WIDE >= 1 {
-            // SAFETY: WIDE is 1 or 2 only in variants compiled for (and picked on) CPUs with AVX2.
-            return unsafe { E::widen_block_avx2(src, dst) };
-        }
-        dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_f32());
-    }
-
     /// Rows r0..r0 + R of x, each cut to `inputs`.
     #[inline(always)]
     fn row_inputs<const R: usize>(x: &[f32], in_dim: usize, r0: usize, inputs: std::ops::Range<usize>) -> [&[f32]; R] {
@@ -123,7 +111,8 @@ mod body {
         &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
     }
 
-    /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R.
+    /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R. The plain
+    /// code runs in the baseline variant; the AVX2 and AVX-512 variants go to their intrinsics.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
@@ -137,9 +126,12 @@ mod body {
         col0: usize,
     ) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if WIDE == 2 {
+        match WIDE {
             // SAFETY: WIDE is 2 only in the variant compiled for (and picked on) CPUs with AVX-512F.
-            return unsafe { avx512_chunk::<E, R>(x, in_dim, panel, inputs, r0, y, ld, col0) };
+            2 => return unsafe { avx512_chunk::<E, R>(x, in_dim, panel, inputs, r0, y, ld, col0) },
+            // SAFETY: WIDE is 1 only in the variant compiled for (and picked on) CPUs with AVX2+FMA.
+            1 => return unsafe { avx2_chunk::<E, R, CB>(x, in_dim, panel, inputs, r0, y, ld, col0) },
+            _ => {}
         }
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
@@ -168,7 +160,9 @@ mod body {
                         // more than once; asking once per line measured no faster.
                         prefetch(run.as_ptr().wrapping_add(len * C + i * b));
                     }
-                    widen::<E, WIDE>(run[i * b..i * b + G].try_into().unwrap(), dst.try_into().unwrap());
+                    for (d, v) in dst.iter_mut().zip(&run[i * b..i * b + G]) {
+                        *d = v.to_f32();
+                    }
                 }
                 for r in 0..R {
                     let xv = xs[r][i];
@@ -189,7 +183,7 @@ mod body {
     /// 64 columns into a stack array and read them back (a store and a reload per 16 columns, and
     /// two 32-byte stores read back as one 64-byte load stall), and its compiled form came and
     /// went with unrelated edits (design.md §7.12). The same fused multiply-adds in the same
-    /// order as the plain code of the AVX2 variant: the same bits (tested).
+    /// order as [`avx2_chunk`]: the same bits (tested).
     ///
     /// # Safety
     /// The CPU must have AVX-512F.
@@ -251,6 +245,76 @@ mod body {
             for (a, row) in acc.iter().zip(rows) {
                 for (j, v) in a.iter().enumerate() {
                     _mm512_storeu_ps(row[j * G..j * G + G].as_mut_ptr(), *v);
+                }
+            }
+        }
+        R
+    }
+
+    /// [`chunk`] for AVX2 with its sums in registers, as [`avx512_chunk`] is for AVX-512: the plain
+    /// code widened each 16 columns into a stack array and read them back. `CB` columns per pass
+    /// (`CB / 8` registers of sums per row; 64, 32 or 16 as in `panel`), the same fused
+    /// multiply-adds in the same order as the AVX-512 variant: the same bits (tested).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn avx2_chunk<E: Element, const R: usize, const CB: usize>(
+        x: &[f32],
+        in_dim: usize,
+        panel: &[E],
+        inputs: std::ops::Range<usize>,
+        r0: usize,
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        const C: usize = super::PANEL;
+        const G: usize = super::WIDEN;
+        let b = E::BLOCK;
+        let len = inputs.len();
+        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
+        let blocks = &panel[inputs.start * C..inputs.end * C];
+        for c in (0..C).step_by(CB) {
+            // The CB / G groups of G columns this pass reads, as in `chunk`.
+            let runs: [&[E]; C / G] =
+                std::array::from_fn(|j| if j < CB / G { group_run(blocks, len, c + j * G) } else { &[] });
+            let at = |r: usize| (r0 + r) * ld + col0 + c;
+            // SAFETY (every intrinsic below): AVX2 and FMA are present (the caller's contract);
+            // loads and stores go through slices of CB floats of y and G weights of a run.
+            unsafe {
+                // Register 2g + h of a row: columns c + 16g + 8h.. + 8; only the first CB / 8 used.
+                let mut acc = [[_mm256_setzero_ps(); C / 8]; R];
+                if inputs.start > 0 {
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let row = &y[at(r)..at(r) + CB];
+                        for (k, v) in a.iter_mut().take(CB / 8).enumerate() {
+                            *v = _mm256_loadu_ps(row[8 * k..].as_ptr());
+                        }
+                    }
+                }
+                for i in 0..len {
+                    let xv: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(xs[r][i]));
+                    for (g, run) in runs.iter().take(CB / G).enumerate() {
+                        if R > 1 && r0 == 0 {
+                            // The same place in the next chunk, as in `chunk`.
+                            prefetch(run.as_ptr().wrapping_add(len * C + i * b));
+                        }
+                        let w = E::load_avx2(run[i * b..i * b + G].try_into().unwrap());
+                        for (a, &xr) in acc.iter_mut().zip(&xv) {
+                            a[2 * g] = _mm256_fmadd_ps(xr, w[0], a[2 * g]);
+                            a[2 * g + 1] = _mm256_fmadd_ps(xr, w[1], a[2 * g + 1]);
+                        }
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    let row = &mut y[at(r)..at(r) + CB];
+                    for (k, v) in a.iter().take(CB / 8).enumerate() {
+                        _mm256_storeu_ps(row[8 * k..8 * k + 8].as_mut_ptr(), *v);
+                    }
                 }
             }
         }
@@ -374,8 +438,8 @@ mod body {
 }
 
 /// One module of entry points per instruction-set level: the bodies compiled with `$feat` enabled
-/// (none for `base`), fused multiply-adds where `$fma`, the weights widened by AVX2 (`$wide` 1) or
-/// AVX-512 (2) instructions written out.
+/// (none for `base`), fused multiply-adds where `$fma`, the packed product's inner loop written
+/// out in AVX2 (`$wide` 1) or AVX-512 (2) intrinsics.
 macro_rules! isa_variants {
     ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
@@ -447,14 +511,14 @@ pub trait Element: Copy + Send + Sync {
 
     fn to_f32(self) -> f32;
 
-    /// `WIDEN` (16) weights widened to f32 with AVX2 instructions, written out rather than left
-    /// to the compiler: its vectorisation of the plain loop came and went with unrelated changes
-    /// elsewhere in this file (once making int8 batch-1 decode 7× slower).
+    /// `WIDEN` (16) weights widened to f32 in two AVX2 registers (columns 0..8, 8..16), written
+    /// out rather than left to the compiler: its vectorisation of the plain loop came and went
+    /// with unrelated changes elsewhere in this file (once making int8 batch-1 decode 7× slower).
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn widen_block_avx2(src: &[Self; WIDEN], dst: &mut [f32; WIDEN]);
+    unsafe fn load_avx2(src: &[Self; WIDEN]) -> [std::arch::x86_64::__m256; 2];
 
     /// `WIDEN` (16) weights widened to f32 in one AVX-512 register.
     ///
@@ -476,8 +540,9 @@ impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[f32; WIDEN], dst: &mut [f32; WIDEN]) {
-        *dst = *src;
+    unsafe fn load_avx2(src: &[f32; WIDEN]) -> [std::arch::x86_64::__m256; 2] {
+        // SAFETY: src is 16 floats.
+        unsafe { std::array::from_fn(|h| std::arch::x86_64::_mm256_loadu_ps(src.as_ptr().add(8 * h))) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -510,16 +575,15 @@ impl Element for Bf16 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[Bf16; WIDEN], dst: &mut [f32; WIDEN]) {
+    unsafe fn load_avx2(src: &[Bf16; WIDEN]) -> [std::arch::x86_64::__m256; 2] {
         use std::arch::x86_64::*;
-        for half in 0..2 {
-            // SAFETY: 8 codes (16 bytes) at 8·half lie in src, 8 floats at 8·half in dst.
+        std::array::from_fn(|h| {
+            // SAFETY: 8 codes (16 bytes) at 8·h lie in src.
             unsafe {
-                let codes = _mm_loadu_si128(src.as_ptr().add(8 * half) as *const __m128i);
-                let bits = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(codes));
-                _mm256_storeu_ps(dst.as_mut_ptr().add(8 * half), _mm256_castsi256_ps(bits));
+                let codes = _mm_loadu_si128(src.as_ptr().add(8 * h) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(codes)))
             }
-        }
+        })
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -544,15 +608,14 @@ impl Element for i8 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn widen_block_avx2(src: &[i8; WIDEN], dst: &mut [f32; WIDEN]) {
+    unsafe fn load_avx2(src: &[i8; WIDEN]) -> [std::arch::x86_64::__m256; 2] {
         use std::arch::x86_64::*;
-        // SAFETY: src is 16 bytes, dst 16 floats.
+        // SAFETY: src is 16 bytes.
         unsafe {
             let codes = _mm_loadu_si128(src.as_ptr() as *const __m128i);
             let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
             let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(codes)));
-            _mm256_storeu_ps(dst.as_mut_ptr(), lo);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(8), hi);
+            [lo, hi]
         }
     }
 
@@ -892,9 +955,9 @@ mod tests {
                         );
                     }
                 }
-                // The AVX-512 kernel (intrinsics) and the AVX2 one (plain code) take the same
-                // fused multiply-adds in the same order: the same bits (where the CPU has both;
-                // elsewhere both calls run one level).
+                // The AVX-512 and AVX2 kernels take the same fused multiply-adds in the same
+                // order: the same bits (where the CPU has both; elsewhere both calls run one
+                // level).
                 let bits = |y: Vec<f32>| y.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                 assert_eq!(bits(at(1)), bits(at(2)), "{precision:?} {rows}x{in_dim}x{out}");
             }
