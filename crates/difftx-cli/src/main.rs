@@ -737,12 +737,14 @@ struct BenchArgs {
     /// Families to benchmark (comma separated).
     #[arg(long, value_delimiter = ',', default_value = "baseline,diff-v1,diff-v2")]
     families: Vec<Family>,
-    /// Timed training steps per family (after the warmup steps).
+    /// Timed training steps per family, after the warmup steps (default 10; 2 with --quick).
     #[arg(long)]
     steps: Option<usize>,
+    /// Untimed training steps per family first, so that the allocator's pages and the caches are
+    /// warm when timing starts (default 3; 1 with --quick).
     #[arg(long)]
     warmup_steps: Option<usize>,
-    /// attn-long sequence lengths (comma separated).
+    /// attn-long sequence lengths (comma separated; default 4096,16384,65536).
     #[arg(long, value_delimiter = ',')]
     attn_lengths: Option<Vec<usize>>,
     /// Skip the attn-long measurement.
