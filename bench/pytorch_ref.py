@@ -9,6 +9,8 @@ at bench-s: 6 layers, D 256, 8 heads (d 32), SwiGLU 704, vocab 256, f32, torch t
 * decode: `generate`, batch 1, greedy, KV cache, 256 new tokens after a 16-token prompt.
 * attn_long: one layer's self-attention forward (SDPA) on [1, N, 256], each N in a child process
   whose peak RSS (VmHWM) is reported, including its baseline (interpreter, torch, the layer).
+* host_matmul: GFLOP/s of one f32 product [batch*seq, 256] @ [704, 256]^T (the median of 5 blocks
+  of ~50 ms) before training and after everything, as `difftx bench` times it through candle.
 
 Usage: /tmp/hfvenv/bin/python bench/pytorch_ref.py [--quick] [--families baseline,diff-v1]
        [--steps 10] [--attn-lengths 4096,16384,65536] [--no-attn] [--no-train]
@@ -31,6 +33,23 @@ def rss_mib():
                 k, v = line.split(":")
                 vals[k] = int(v.strip().split()[0]) / 1024.0
     return vals["VmHWM"], vals["VmRSS"]
+
+
+def host_matmul_gflops(m, k=256, n=704, blocks=5):
+    import torch
+
+    a = torch.randn(m, k)
+    w = torch.randn(n, k)
+    t0 = time.perf_counter()
+    a @ w.t()
+    reps = max(1, min(1000, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
+    rates = []
+    for _ in range(blocks):
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ w.t()
+        rates.append(2.0 * m * k * n * reps / (time.perf_counter() - t) / 1e9)
+    return round(sorted(rates)[blocks // 2], 1)
 
 
 def make_model(family, layers=6, max_pos=512):
@@ -177,6 +196,7 @@ def main():
     if a.quick:
         lengths = [256, 512]
     train, decode, attn = {}, {}, {}
+    matmul_before = host_matmul_gflops(batch * seq)
     if not a.no_train and families:
         print(f"pytorch_ref: training {', '.join(families)} side by side ...", file=sys.stderr)
         train = bench_train(families, batch, seq, warmup, steps)
@@ -208,6 +228,8 @@ def main():
         "engine": f"pytorch {torch.__version__} + transformers {__import__('transformers').__version__}",
         "threads": torch.get_num_threads(), "preset": "bench-s" if not a.quick else "quick",
         "batch": batch, "seq": seq, "dtype": "f32",
+        "host_matmul": {"shape_m_k_n": [batch * seq, 256, 704], "gflops_before": matmul_before,
+                        "gflops_after": host_matmul_gflops(batch * seq)},
         "train": train, "train_reference_kernels": {}, "decode": decode, "ratios": ratios, "attn_long": attn,
         "notes": "HF LlamaForCausalLM (baseline) / DiffLlamaForCausalLM (diff-v1), SDPA; attn_long peak_rss_mib is the child's VmHWM including its baseline (rss_before_forward_mib)",
     }

@@ -4,7 +4,8 @@
 Runs `difftx bench` and `bench/pytorch_ref.py` alternately for a few rounds on this machine and
 prints one JSON report: the CPU (from difftx's report), every round's tokens/s of both engines, and
 the ratios of each round (difftx / PyTorch), so that machine noise shows as spread between rounds
-rather than as a bias of one engine. difftx's bf16 training (`train_bf16`, where the CPU has AMX or
+rather than as a bias of one engine. Each round also has both engines' f32 matmul GFLOP/s on the
+training step's SwiGLU input product (`host_matmul_gflops`): the training ratio read beside it. difftx's bf16 training (`train_bf16`, where the CPU has AMX or
 AVX512_BF16) is compared with PyTorch's f32 training.
 
 Usage:
@@ -75,6 +76,13 @@ def main():
             row["difftx"][key] = x
             if x and y:
                 row["ratio_difftx_over_pytorch"][f"{key}_over_pytorch_f32"] = round(x / y, 3)
+        # Each engine's f32 matmul speed that hour, on the training step's SwiGLU input product
+        # (the mean of its before-training and after-everything figures).
+        mm = [get(rep, "host_matmul") or {} for rep in (ours, theirs)]
+        g = [round((m["gflops_before"] + m["gflops_after"]) / 2, 1) if m else None for m in mm]
+        row["difftx"]["host_matmul_gflops"], row["pytorch"]["host_matmul_gflops"] = g
+        if all(g):
+            row["ratio_difftx_over_pytorch"]["host_matmul_gflops"] = round(g[0] / g[1], 3)
         row["difftx"]["train_bf16_step_time_diff-v1_over_baseline"] = get(ours, "ratios", "train_bf16_step_time_diff-v1_over_baseline")
         for key in ["train_step_time_diff-v1_over_baseline", "decode_time_diff-v1_over_baseline"]:
             row["difftx"][key] = get(ours, "ratios", key)

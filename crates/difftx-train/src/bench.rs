@@ -15,6 +15,11 @@
 //!   side by side too, a block of steps of each in turn, and each of their figures is the median
 //!   of [`DECODE_RUNS`] runs.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
+//! * `host_matmul`: the GFLOP/s of one f32 product of the training step's shape (a SwiGLU input
+//!   projection, `[batch·seq, d_model] · [d_ff, d_model]ᵀ`) before the training runs and after
+//!   everything: how fast the host multiplied at that hour. `bench/pytorch_ref.py` times the same
+//!   product with torch, so a round of `bench/side_by_side.py` shows how far the two engines'
+//!   training ratio follows their matmuls (a shared host's speed moves by the hour).
 //! * `attn_long`: one layer's attention sub-layer forward (projections, RoPE, attention, the
 //!   family's combination, output projection) on `[1, N, 256]` hidden states. Each N runs in a
 //!   fresh child process (the caller says how to start it) so that its peak resident memory
@@ -191,6 +196,34 @@ fn bench_config(opts: &BenchOptions, family: Family) -> Result<ModelConfig> {
     let mut cfg = ModelConfig::preset(&opts.preset, family)?;
     cfg.max_seq_len = cfg.max_seq_len.max(opts.seq_len).max(opts.prompt_tokens + opts.decode_tokens);
     Ok(cfg)
+}
+
+/// Blocks of products `host_matmul_gflops` times (its figure is their median).
+const MATMUL_BLOCKS: usize = 5;
+
+/// GFLOP/s of `[batch·seq, d_model] · [d_ff, d_model]ᵀ` in f32 through candle (the linear layers'
+/// path), the median of [`MATMUL_BLOCKS`] blocks of products lasting ~50 ms each.
+fn host_matmul_gflops(opts: &BenchOptions) -> Result<(f64, [usize; 3])> {
+    let cfg = bench_config(opts, Family::Baseline)?;
+    let (m, k, n) = (opts.batch_size * opts.seq_len, cfg.d_model, cfg.d_ff);
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?.t()?;
+    let flops = 2.0 * (m * k * n) as f64;
+    let t0 = std::time::Instant::now();
+    a.matmul(&w)?;
+    let reps = ((0.05 / t0.elapsed().as_secs_f64().max(1e-6)) as usize).clamp(1, 1000);
+    let mut rates: Vec<f64> = (0..MATMUL_BLOCKS)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                a.matmul(&w)?;
+            }
+            Ok(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9)
+        })
+        .collect::<Result<_>>()?;
+    rates.sort_by(f64::total_cmp);
+    Ok(((rates[MATMUL_BLOCKS / 2] * 10.0).round() / 10.0, [m, k, n]))
 }
 
 fn build(cfg: &ModelConfig, seed: u64) -> Result<(Model, Vec<(String, Var)>)> {
@@ -585,6 +618,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     let mut train_bf16 = Map::new();
     let mut decode = Map::new();
     let bf16 = opts.bf16 && Precision::bf16_available();
+    let (matmul_before, matmul_shape) = host_matmul_gflops(opts)?;
     if opts.train && !opts.families.is_empty() {
         // Every family in f32 (and in bf16 where available), their timed steps interleaved.
         let mut runs = Vec::new();
@@ -662,9 +696,11 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         }
         attn.insert(f.as_str().into(), Value::Array(rows));
     }
+    let (matmul_after, _) = host_matmul_gflops(opts)?;
     Ok(json!({
         "engine": "difftx",
         "cpu": cpu_info(),
+        "host_matmul": {"shape_m_k_n": matmul_shape, "gflops_before": matmul_before, "gflops_after": matmul_after},
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "env": {"CANDLE_NUM_THREADS": std::env::var("CANDLE_NUM_THREADS").ok(), "RAYON_NUM_THREADS": std::env::var("RAYON_NUM_THREADS").ok()},
         "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",

@@ -32,6 +32,15 @@ fn quick_bench_reports_every_part() {
             assert!(gflops[part].as_f64().unwrap() > 0.0, "{f} {part}");
         }
     }
+    // The host's matmul speed, before and after, on the training step's SwiGLU input product.
+    let cfg = difftx_core::ModelConfig::preset(&opts.preset, difftx_core::Family::Baseline).unwrap();
+    let shape: Vec<u64> =
+        r["host_matmul"]["shape_m_k_n"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(shape, [(opts.batch_size * opts.seq_len) as u64, cfg.d_model as u64, cfg.d_ff as u64]);
+    for when in ["gflops_before", "gflops_after"] {
+        let g = r["host_matmul"][when].as_f64().unwrap();
+        assert!(g > 0.0 && g.is_finite(), "{when}: {g}");
+    }
     let reference = &r["train_reference_kernels"]["diff-v1"];
     assert!(reference["tokens_per_sec"].as_f64().unwrap() > 0.0);
     // Composed candle ops: no attention kernel ran, so no attention time is claimed.
@@ -56,8 +65,10 @@ fn quick_bench_reports_every_part() {
 fn rss_is_read_from_proc() {
     let (hwm, rss) = difftx_train::bench::rss_mib().unwrap();
     assert!(hwm >= rss && rss > 0.0, "{hwm} {rss}");
-    // Touching 64 MiB raises the peak by about that much.
-    let v = vec![1u8; 64 << 20];
+    // Touching 64 MiB raises the peak by about that much. `black_box`: an optimised build may
+    // otherwise drop the buffer (only one byte of it is read, after the second reading) or fill
+    // it after that reading; one build did, and the peak stayed put.
+    let v = std::hint::black_box(vec![1u8; 64 << 20]);
     let (hwm2, _) = difftx_train::bench::rss_mib().unwrap();
     assert!(hwm2 >= hwm + 60.0 || hwm2 >= rss + 60.0, "{hwm} -> {hwm2}");
     assert_eq!(v[12345], 1);
