@@ -7,8 +7,8 @@
 //!
 //! * [`matmul_packed`]: `y = x·Wᵀ` for a few rows `x`, the Linear weight packed once
 //!   ([`PackedWeight`]) into panels of 64 output columns read front to back in chunks that stay
-//!   in L1, the sums kept in registers; panels are split across rayon threads when the product
-//!   is large enough to pay.
+//!   in L1, the sums kept in registers; panels are split across `team`'s threads when the
+//!   product is large enough to pay.
 //! * [`softmax_scores`]: one query's attention weights over its cached keys.
 //! * [`weighted_values`]: `out += Σ_s p_s·v_s` over cached values.
 //! * [`swiglu_rows`] computes `silu(gate)·up`.
@@ -17,16 +17,13 @@
 //! Each is compiled three times (baseline x86-64, AVX2+FMA, AVX-512F) and picked at run time, as in
 //! `flash.rs`; `*_at(isa, ..)` variants let the tests check every level against the reference.
 
-use rayon::prelude::*;
-
-/// Multiply-accumulates per rayon task below which `matmul_packed` stays on one thread. Splitting
-/// pays only when the caller runs on a pool thread (the fused decoder does): from outside the pool
-/// every split product wakes a worker and parks the caller. Measured (docs/design.md §7.7): on the
-/// 2-core Xeon, called from outside the pool, 32K made batch-1 int8 decode slower than one thread
-/// (1,685 against 2,409 tok/s), hence 512K then; on the 2-core AMD EPYC, from a pool thread, 64K
-/// made batch-1 decode 1.5-1.6x faster in f32 and bf16 and 1.1-1.2x in int8 than 512K from
-/// outside the pool.
-const MIN_MACS_PER_TASK: usize = 64 * 1024;
+/// Multiply-accumulates per task below which `matmul_packed` stays on one thread. The split runs
+/// on `team`'s helpers, which spin between a decode step's products, so a split costs a store and
+/// a few hundred nanoseconds of waiting rather than waking a sleeping thread (as through rayon,
+/// where 64K was the best from a pool thread and 512K from outside it; docs/design.md §7.7).
+/// Measured on the 2-core Xeon (§7.13): 16K, which also splits the 256 × 256 products (o_proj,
+/// the byte-vocabulary head), decoded 3-7% faster at batch 1 than 64K.
+const MIN_MACS_PER_TASK: usize = 16 * 1024;
 
 /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
 pub const ISA_BEST: u8 = 2;
@@ -769,7 +766,7 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
     // Tasks of at least MIN_MACS_PER_TASK multiply-adds, no more than threads, panels shared
     // out evenly (a 12-panel product on two threads is 6 + 6, not 8 + 4).
     let panels = out.div_ceil(PANEL);
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::team::participants();
     let tasks = (rows * in_dim * out / MIN_MACS_PER_TASK).clamp(1, threads.min(panels));
     let per_task = panels.div_ceil(tasks);
     let run = |p: usize, y: &mut [f32], ld: usize, col0: usize| {
@@ -793,22 +790,21 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
         return;
     }
     // Each task fills its own [rows, its columns] block, copied into y afterwards.
-    let groups: Vec<(usize, Vec<f32>)> = (0..panels)
+    let mut blocks: Vec<(usize, Vec<f32>)> = (0..panels)
         .step_by(per_task)
-        .collect::<Vec<_>>()
-        .into_par_iter()
         .map(|p0| {
-            let p1 = (p0 + per_task).min(panels);
-            let cols = (p1 * PANEL).min(out) - p0 * PANEL;
-            let mut block = vec![0f32; rows * cols];
-            for p in p0..p1 {
-                run(p, &mut block, cols, (p - p0) * PANEL);
-            }
-            (p0 * PANEL, block)
+            let cols = ((p0 + per_task).min(panels) * PANEL).min(out) - p0 * PANEL;
+            (p0, vec![0f32; rows * cols])
         })
         .collect();
-    for (c0, block) in groups {
-        let cols = block.len() / rows;
+    crate::team::for_each_mut(&mut blocks, |_, (p0, block)| {
+        let (p0, cols) = (*p0, block.len() / rows);
+        for p in p0..(p0 + per_task).min(panels) {
+            run(p, block, cols, (p - p0) * PANEL);
+        }
+    });
+    for (p0, block) in blocks {
+        let (c0, cols) = (p0 * PANEL, block.len() / rows);
         for r in 0..rows {
             y[r * out + c0..r * out + c0 + cols].copy_from_slice(&block[r * cols..(r + 1) * cols]);
         }

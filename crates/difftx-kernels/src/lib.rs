@@ -26,6 +26,8 @@
 //!   linear layers of `--precision bf16`; [`bf16_matmul`] holds the slice-level kernels.
 //! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
 //!   row, SwiGLU) for the fused decoder; inference only, no backward.
+//! * [`team`]: hot helper threads that the decode step's splits run on (rayon's workers fall
+//!   asleep between them).
 //! * [`profile`]: the time spent in the attention ops so far (benchmarks break a step down with it).
 //!
 //! What it must not touch: no model, no configuration, no I/O, no checkpoints, no allocator
@@ -48,6 +50,7 @@ mod rms_norm;
 mod rope;
 mod softmax;
 mod swiglu;
+pub mod team;
 
 pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backend};
 pub use cross_entropy::cross_entropy;

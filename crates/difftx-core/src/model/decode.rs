@@ -34,7 +34,7 @@ use difftx_kernels::decode::{
     key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset, weighted_values,
     PackedWeight, WeightPrecision, KV_CHUNK,
 };
-use rayon::prelude::*;
+use difftx_kernels::team;
 
 /// How a layer turns its heads' attention into its output features.
 enum Mix {
@@ -114,7 +114,8 @@ struct Scratch {
 /// Prompt positions run as rows of one pass at most (bounds the pass's buffers).
 const PREFILL_CHUNK: usize = 512;
 
-/// Default of `Decoder::parallel_attention_macs` (below it, waking a thread costs more than it saves).
+/// Default of `Decoder::parallel_attention_macs` (below it, splitting cost more than it saved when
+/// splits woke rayon workers; not retuned for `team`'s hot helpers).
 const PARALLEL_ATTENTION_MACS: usize = 1 << 16;
 
 /// A model's weights laid out for decoding (a copy: the decoder does not borrow the model).
@@ -344,25 +345,9 @@ impl Decoder {
     /// attend, each to the positions up to its own: one row of a prompt is one row here, so a
     /// prompt and a batch of sequences run the same code. Attention is split across threads when
     /// there is enough of it: over the rows, or over groups of heads when rows are fewer than
-    /// threads.
+    /// threads. Every split runs on `difftx_kernels::team`'s hot helpers (rayon's workers fall
+    /// asleep between the step's splits; docs/design.md §7.13).
     fn forward_rows(
-        &self,
-        seqs: &mut [&mut SequenceCache],
-        rows: &[(usize, u32)],
-        logit_rows: &[usize],
-    ) -> Result<Vec<f32>> {
-        // The pass runs on a pool thread: a product or attention split from there runs its other
-        // half on the second thread while this one does the first, where a caller outside the
-        // pool would hand every split to the pool and sleep until it is done (twice the wake-ups
-        // per split; docs/design.md §7.7). A caller already on the pool runs it in place.
-        if rayon::current_thread_index().is_some() {
-            self.forward_rows_on_pool(seqs, rows, logit_rows)
-        } else {
-            rayon::scope(|_| self.forward_rows_on_pool(seqs, rows, logit_rows))
-        }
-    }
-
-    fn forward_rows_on_pool(
         &self,
         seqs: &mut [&mut SequenceCache],
         rows: &[(usize, u32)],
@@ -410,15 +395,12 @@ impl Decoder {
         // Split attention over threads only where it outweighs waking them (multiply-adds of
         // scores and values, summed over rows).
         let attention_work: usize = pos.iter().map(|p| (p + 1) * 2 * q_out).sum();
-        let threads = rayon::current_num_threads();
-        // Fewer rows than threads (a single sequence's step): each row's heads split in groups.
+        let threads = team::participants();
+        // Fewer rows than threads (a single sequence's step): each row's units (heads, diff-v1's
+        // pairs) are tasks of their own, dealt out over the threads.
         let units = self.o_in / self.attention_unit_width();
-        let groups = if n < threads {
-            (1..=threads.min(units)).rev().find(|&g| units.is_multiple_of(g)).unwrap_or(1)
-        } else {
-            1
-        };
-        let parallel = n * groups >= 2 && attention_work >= self.parallel_attention_macs && threads > 1;
+        let groups = if n < threads { units } else { 1 };
+        let parallel = n * groups >= 2 && attention_work >= self.parallel_attention_macs;
         let group_width = self.o_in / groups;
         let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
         // One thread's scratch serves every layer; split passes make one per task.
@@ -456,9 +438,8 @@ impl Decoder {
                 self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, first, scratch, out);
             };
             if parallel {
-                att.par_chunks_mut(group_width)
-                    .enumerate()
-                    .for_each_init(new_scratch, |scratch, (task, out)| attend_group(scratch, task, out));
+                let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
+                team::for_each_mut(&mut outs, |task, out| attend_group(&mut new_scratch(), task, out));
             } else {
                 for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
                     attend_group(&mut scratch, task, out);
