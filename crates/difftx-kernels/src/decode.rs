@@ -64,12 +64,12 @@ mod body {
             let inputs = i0..(i0 + super::CHUNK).min(in_dim);
             let mut r0 = 0;
             while r0 < rows {
-                let i = inputs.clone();
+                let at = Chunk { x, in_dim, panel, inputs: inputs.clone(), r0, ld, col0 };
                 r0 += match rows - r0 {
-                    left if left >= RG => chunk::<E, RG, CB, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
-                    1 => chunk::<E, 1, { super::PANEL }, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
-                    2 => chunk::<E, 2, CB2, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
-                    _ => chunk::<E, 3, CB, FMA, WIDE>(x, in_dim, panel, i, r0, y, ld, col0),
+                    left if left >= RG => chunk::<E, RG, CB, FMA, WIDE>(at, y),
+                    1 => chunk::<E, 1, { super::PANEL }, FMA, WIDE>(at, y),
+                    2 => chunk::<E, 2, CB2, FMA, WIDE>(at, y),
+                    _ => chunk::<E, 3, CB, FMA, WIDE>(at, y),
                 };
             }
         }
@@ -94,10 +94,28 @@ mod body {
         }
     }
 
-    /// Rows r0..r0 + R of x, each cut to `inputs`.
-    #[inline(always)]
-    fn row_inputs<const R: usize>(x: &[f32], in_dim: usize, r0: usize, inputs: std::ops::Range<usize>) -> [&[f32]; R] {
-        std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end])
+    /// Where one call of [`chunk`] works: rows r0.. of `x` (`[rows, in_dim]`) over the panel's
+    /// `inputs`, into the panel's columns from `col0` of `y` (row stride `ld`).
+    #[derive(Clone)]
+    struct Chunk<'a, E> {
+        x: &'a [f32],
+        in_dim: usize,
+        panel: &'a [E],
+        inputs: std::ops::Range<usize>,
+        r0: usize,
+        ld: usize,
+        col0: usize,
+    }
+
+    impl<'a, E: Element> Chunk<'a, E> {
+        /// Rows r0..r0 + R of x cut to the inputs, the inputs' blocks of the panel (b columns
+        /// each, `[len, b]`) and their number `len`.
+        #[inline(always)]
+        fn rows_and_blocks<const R: usize>(&self) -> ([&'a [f32]; R], &'a [E], usize) {
+            let (x, in_dim, r0, inputs) = (self.x, self.in_dim, self.r0, &self.inputs);
+            let xs = std::array::from_fn(|r| &x[(r0 + r) * in_dim + inputs.start..(r0 + r) * in_dim + inputs.end]);
+            (xs, &self.panel[inputs.start * super::PANEL..inputs.end * super::PANEL], inputs.len())
+        }
     }
 
     /// The weights of the G columns from `col` in a chunk's blocks (b columns each, `[len, b]`):
@@ -110,36 +128,27 @@ mod body {
 
     /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R. The plain
     /// code runs in the baseline variant; the AVX2 and AVX-512 variants go to their intrinsics.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
-        x: &[f32],
-        in_dim: usize,
-        panel: &[E],
-        inputs: std::ops::Range<usize>,
-        r0: usize,
+        at: Chunk<'_, E>,
         y: &mut [f32],
-        ld: usize,
-        col0: usize,
     ) -> usize {
         #[cfg(target_arch = "x86_64")]
         match WIDE {
             // SAFETY: WIDE is 2 only in the variant compiled for (and picked on) CPUs with AVX-512F.
-            2 => return unsafe { avx512_chunk::<E, R>(x, in_dim, panel, inputs, r0, y, ld, col0) },
+            2 => return unsafe { avx512_chunk::<E, R>(at, y) },
             // SAFETY: WIDE is 1 only in the variant compiled for (and picked on) CPUs with AVX2+FMA.
-            1 => return unsafe { avx2_chunk::<E, R, CB>(x, in_dim, panel, inputs, r0, y, ld, col0) },
+            1 => return unsafe { avx2_chunk::<E, R, CB>(at, y) },
             _ => {}
         }
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
-        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
-        let len = inputs.len();
-        // This chunk's blocks of b columns, each [len, b].
-        let blocks = &panel[inputs.start * C..inputs.end * C];
+        let (xs, blocks, len) = at.rows_and_blocks::<R>();
+        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
         for c in (0..C).step_by(CB) {
             let mut acc = [[0f32; CB]; R];
-            if inputs.start > 0 {
+            if !first {
                 for (r, a) in acc.iter_mut().enumerate() {
                     let at = (r0 + r) * ld + col0 + c;
                     a.copy_from_slice(&y[at..at + CB]);
@@ -185,26 +194,15 @@ mod body {
     /// # Safety
     /// The CPU must have AVX-512F.
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn avx512_chunk<E: Element, const R: usize>(
-        x: &[f32],
-        in_dim: usize,
-        panel: &[E],
-        inputs: std::ops::Range<usize>,
-        r0: usize,
-        y: &mut [f32],
-        ld: usize,
-        col0: usize,
-    ) -> usize {
+    unsafe fn avx512_chunk<E: Element, const R: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         const GROUPS: usize = C / G;
         let b = E::BLOCK;
-        let len = inputs.len();
-        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
-        let blocks = &panel[inputs.start * C..inputs.end * C];
+        let (xs, blocks, len) = at.rows_and_blocks::<R>();
+        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
         // Group j: columns 16j..16j + 16.
         let runs: [&[E]; GROUPS] = std::array::from_fn(|j| group_run(blocks, len, j * G));
         let rows: [&mut [f32]; R] = {
@@ -219,7 +217,7 @@ mod body {
         // stores stay inside `rows` (64 floats each) and `runs` (slices checked by indexing).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); GROUPS]; R];
-            if inputs.start > 0 {
+            if !first {
                 for (a, row) in acc.iter_mut().zip(&rows) {
                     for (j, v) in a.iter_mut().enumerate() {
                         *v = _mm512_loadu_ps(row[j * G..].as_ptr());
@@ -256,25 +254,14 @@ mod body {
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn avx2_chunk<E: Element, const R: usize, const CB: usize>(
-        x: &[f32],
-        in_dim: usize,
-        panel: &[E],
-        inputs: std::ops::Range<usize>,
-        r0: usize,
-        y: &mut [f32],
-        ld: usize,
-        col0: usize,
-    ) -> usize {
+    unsafe fn avx2_chunk<E: Element, const R: usize, const CB: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
-        let len = inputs.len();
-        let xs: [&[f32]; R] = row_inputs(x, in_dim, r0, inputs.clone());
-        let blocks = &panel[inputs.start * C..inputs.end * C];
+        let (xs, blocks, len) = at.rows_and_blocks::<R>();
+        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
         for c in (0..C).step_by(CB) {
             // The CB / G groups of G columns this pass reads, as in `chunk`.
             let runs: [&[E]; C / G] =
@@ -285,7 +272,7 @@ mod body {
             unsafe {
                 // Register 2g + h of a row: columns c + 16g + 8h.. + 8; only the first CB / 8 used.
                 let mut acc = [[_mm256_setzero_ps(); C / 8]; R];
-                if inputs.start > 0 {
+                if !first {
                     for (r, a) in acc.iter_mut().enumerate() {
                         let row = &y[at(r)..at(r) + CB];
                         for (k, v) in a.iter_mut().take(CB / 8).enumerate() {
