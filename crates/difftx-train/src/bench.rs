@@ -286,7 +286,8 @@ impl TrainBench {
         let phases = if timed { &mut self.phases } else { &mut untimed };
         let passes = [Pass::Forward, Pass::Backward];
         let (t0, attention0) = (Instant::now(), passes.map(attention_time));
-        self.last_loss = train_step(&self.model, &self.vars, &mut self.opt, &xs, &ys, 1e-3, phases)?;
+        let (model, vars, opt) = (&self.model, &self.vars, &mut self.opt);
+        self.last_loss = crate::on_pool(|| train_step(model, vars, opt, &xs, &ys, 1e-3, phases))?;
         if timed {
             self.step_secs.push(t0.elapsed().as_secs_f64());
             for (i, pass) in passes.into_iter().enumerate() {

@@ -232,7 +232,7 @@ pub fn train_new(
         None => init_weights(&opts.model, opts.seed, DType::F32, &Device::Cpu)?,
         Some(dir) => initial_weights_from(dir, &opts.model)?,
     };
-    run(out_dir, opts, tok, ds, ctl, weights, None, TrainerState::default())
+    crate::on_pool(|| run(out_dir, opts, tok, ds, ctl, weights, None, TrainerState::default()))
 }
 
 /// The weights of the model folder `dir`, in parameter order, checked to have `model`'s shapes.
@@ -289,7 +289,7 @@ pub fn train_resume(out_dir: &Path, tok: &Tokenizer, ds: &TokenDataset, ctl: &Ru
         ordered.push((spec.name, t.clone()));
     }
     truncate_metrics(&out_dir.join(METRICS_FILE), state.step)?;
-    run(out_dir, &opts, tok, ds, ctl, ordered, Some(opt_state), state)
+    crate::on_pool(|| run(out_dir, &opts, tok, ds, ctl, ordered, Some(opt_state), state))
 }
 
 #[allow(clippy::too_many_arguments)]
