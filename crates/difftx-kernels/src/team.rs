@@ -81,8 +81,9 @@ struct Team {
     busy: AtomicBool,
 }
 
-/// The team: as many participants as rayon's pool has threads (`RAYON_NUM_THREADS` or the
-/// cores), the caller being one of them.
+/// The team, made on first use: as many participants as the rayon pool of the thread that first
+/// uses it has threads (`RAYON_NUM_THREADS` or the cores for the global pool), the caller being
+/// one of them.
 fn team() -> &'static Team {
     static TEAM: OnceLock<Team> = OnceLock::new();
     TEAM.get_or_init(|| {
