@@ -344,7 +344,7 @@ impl Decoder {
     /// Per layer, every row's keys and values are written first (in row order), then the rows
     /// attend, each to the positions up to its own: one row of a prompt is one row here, so a
     /// prompt and a batch of sequences run the same code. Attention is split across threads when
-    /// there is enough of it: over the rows, or over groups of heads when rows are fewer than
+    /// there is enough of it: over the rows, or over each row's heads when rows are fewer than
     /// threads. Every split runs on `difftx_kernels::team`'s hot helpers (rayon's workers fall
     /// asleep between the step's splits; docs/design.md §7.13).
     fn forward_rows(
@@ -392,7 +392,7 @@ impl Decoder {
             let needed = seq.len + g;
             self.reserve(seq, needed);
         }
-        // Split attention over threads only where it outweighs waking them (multiply-adds of
+        // Split attention over threads only where it outweighs the split's cost (multiply-adds of
         // scores and values, summed over rows).
         let attention_work: usize = pos.iter().map(|p| (p + 1) * 2 * q_out).sum();
         let threads = team::participants();
