@@ -96,7 +96,6 @@ mod body {
 
     /// Where one call of [`chunk`] works: rows r0.. of `x` (`[rows, in_dim]`) over the panel's
     /// `inputs`, into the panel's columns from `col0` of `y` (row stride `ld`).
-    #[derive(Clone)]
     struct Chunk<'a, E> {
         x: &'a [f32],
         in_dim: usize,

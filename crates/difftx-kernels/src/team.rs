@@ -31,25 +31,23 @@ const IDLE: u8 = 0;
 const POSTED: u8 = 1;
 const DONE: u8 = 2;
 
-/// The job of one call: run `call(data, i)` for the items `participant`, `participant + n`, ...
-/// below `len`, where `n` is the number of participants.
+/// One participant's share of a call: `share(data, participant, participants)` runs the items
+/// `participant`, `participant + participants`, ...
 #[derive(Clone, Copy)]
 struct Job {
     data: *const (),
-    call: unsafe fn(*const (), usize),
+    share: unsafe fn(*const (), usize, usize),
     participant: usize,
     participants: usize,
-    len: usize,
 }
 
 impl Job {
     /// # Safety
-    /// `data` must still be what `call` expects (the caller of `for_each_mut` waits for this).
+    /// `data` must still be what `share` expects (the caller of `for_each_mut_init` waits for
+    /// this).
     unsafe fn run(&self) {
-        for i in (self.participant..self.len).step_by(self.participants) {
-            // SAFETY: the contract of this function.
-            unsafe { (self.call)(self.data, i) };
-        }
+        // SAFETY: the contract of this function.
+        unsafe { (self.share)(self.data, self.participant, self.participants) };
     }
 }
 
@@ -180,34 +178,55 @@ pub fn participants() -> usize {
 /// are done; a panic in any call is raised here. When the helpers are taken (another caller, or
 /// a call from inside `f`), every item runs on the calling thread, in order.
 pub fn for_each_mut<T: Send, F: Fn(usize, &mut T) + Sync>(items: &mut [T], f: F) {
+    for_each_mut_init(items, || (), |_, i, item| f(i, item))
+}
+
+/// [`for_each_mut`] with a state per participant: each thread that takes part calls `init` once
+/// and hands its state to `f` for each of its items (scratch buffers made once per thread, not
+/// per item).
+pub fn for_each_mut_init<T, S, I, F>(items: &mut [T], init: I, f: F)
+where
+    T: Send,
+    I: Fn() -> S + Sync,
+    F: Fn(&mut S, usize, &mut T) + Sync,
+{
     let team = team();
     let n = items.len();
     let helpers = team.helpers.len().min(n.saturating_sub(1));
     if helpers == 0 || team.busy.swap(true, Ordering::Acquire) {
-        items.iter_mut().enumerate().for_each(|(i, item)| f(i, item));
+        let mut state = init();
+        items.iter_mut().enumerate().for_each(|(i, item)| f(&mut state, i, item));
         return;
     }
-    struct Shared<T, F> {
+    struct Shared<T, I, F> {
         items: *mut T,
+        len: usize,
+        init: I,
         f: F,
     }
     /// # Safety
-    /// `data` points to a live `Shared<T, F>` and no other call gets the same `i`.
-    unsafe fn call<T, F: Fn(usize, &mut T)>(data: *const (), i: usize) {
-        // SAFETY: the contract of this function; each index is handed out once (`Job::run`
-        // gives participant p the items p, p + n, ...), so `&mut *items.add(i)` is unique.
+    /// `data` points to a live `Shared<T, I, F>` and no other call gets the same `participant`.
+    unsafe fn share<T, S, I: Fn() -> S, F: Fn(&mut S, usize, &mut T)>(
+        data: *const (),
+        participant: usize,
+        participants: usize,
+    ) {
+        // SAFETY: the contract of this function; participant p takes the items p, p + n, ..., so
+        // no index is handed out twice and `&mut *items.add(i)` is unique.
         unsafe {
-            let shared = &*(data as *const Shared<T, F>);
-            (shared.f)(i, &mut *shared.items.add(i));
+            let shared = &*(data as *const Shared<T, I, F>);
+            let mut state = (shared.init)();
+            for i in (participant..shared.len).step_by(participants) {
+                (shared.f)(&mut state, i, &mut *shared.items.add(i));
+            }
         }
     }
-    let shared = Shared { items: items.as_mut_ptr(), f };
+    let shared = Shared { items: items.as_mut_ptr(), len: n, init, f };
     let job = |participant| Job {
-        data: &shared as *const Shared<T, F> as *const (),
-        call: call::<T, F>,
+        data: &shared as *const Shared<T, I, F> as *const (),
+        share: share::<T, S, I, F>,
         participant,
         participants: helpers + 1,
-        len: n,
     };
     let mut posted = Posted { team, helpers };
     for (h, helper) in team.helpers[..helpers].iter().enumerate() {
@@ -236,6 +255,30 @@ mod tests {
             let mut items: Vec<Vec<usize>> = vec![Vec::new(); n];
             for_each_mut(&mut items, |i, item| item.push(i * 10));
             assert_eq!(items, (0..n).map(|i| vec![i * 10]).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn each_participant_makes_one_state() {
+        use std::sync::atomic::AtomicUsize;
+        let inits = AtomicUsize::new(0);
+        let mut items = vec![0usize; 40];
+        for_each_mut_init(
+            &mut items,
+            || {
+                inits.fetch_add(1, Ordering::Relaxed);
+                0usize
+            },
+            |seen, i, item| {
+                *seen += 1;
+                *item = i * 1000 + *seen;
+            },
+        );
+        let made = inits.load(Ordering::Relaxed);
+        assert!((1..=participants()).contains(&made), "{made} states for {} participants", participants());
+        // Item i is its participant's (i / made + 1)-th when the items were dealt over `made`.
+        for (i, v) in items.iter().enumerate() {
+            assert_eq!(*v, i * 1000 + i / made + 1, "item {i}");
         }
     }
 

@@ -24,11 +24,10 @@ fn poison(len: usize) {
 /// contiguous `[b, cols, rows]` (a strided operand).
 fn operand(b: usize, rows: usize, cols: usize, seed: usize, transposed: bool, dtype: DType) -> Tensor {
     let value = |i: usize| ((i * 7 + seed * 13) % 23) as f64 / 8.0 - 1.0;
+    let data: Vec<f64> = (0..b * rows * cols).map(value).collect();
     let t = if transposed {
-        let data: Vec<f64> = (0..b * rows * cols).map(value).collect();
         Tensor::from_vec(data, (b, cols, rows), &Device::Cpu).unwrap().transpose(1, 2).unwrap()
     } else {
-        let data: Vec<f64> = (0..b * rows * cols).map(value).collect();
         Tensor::from_vec(data, (b, rows, cols), &Device::Cpu).unwrap()
     };
     t.to_dtype(dtype).unwrap()

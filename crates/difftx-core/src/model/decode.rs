@@ -403,7 +403,7 @@ impl Decoder {
         let parallel = n * groups >= 2 && attention_work >= self.parallel_attention_macs;
         let group_width = self.o_in / groups;
         let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
-        // One thread's scratch serves every layer; split passes make one per task.
+        // One thread's scratch serves every layer; split passes make one per thread.
         let mut scratch = new_scratch();
         for (l, lw) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
@@ -439,7 +439,7 @@ impl Decoder {
             };
             if parallel {
                 let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
-                team::for_each_mut(&mut outs, |task, out| attend_group(&mut new_scratch(), task, out));
+                team::for_each_mut_init(&mut outs, new_scratch, |scratch, task, out| attend_group(scratch, task, out));
             } else {
                 for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
                     attend_group(&mut scratch, task, out);
