@@ -17,7 +17,10 @@
 //! parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
 //! max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
 //! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
-//! processed one at a time with dot products and axpys instead of tiles.
+//! processed one at a time with dot products and axpys instead of tiles. With GQA (several query
+//! heads per kv head) a task is `(b, kv head, block of BR / rep rows)` instead and stacks the
+//! rows of all the kv head's query heads, so that each key and value tile is multiplied against
+//! all of them in one product (`fwd_group_task`; the same arithmetic per row).
 //!
 //! Backward (FlashAttention-2 recompute, no atomics, deterministic):
 //! * `delta_t = dout_t · out_t`.
@@ -415,6 +418,108 @@ fn fwd_task_rows<T: Float>(
     }
 }
 
+/// Whether the forward stacks the query heads that read one kv head (GQA) into one task, so that
+/// each key and value tile is multiplied against all of them in one product: more than one
+/// query head per kv head, and enough rows for tiles.
+fn grouped(d: &Dims) -> bool {
+    d.rep() > 1 && d.t >= DOT_ROWS
+}
+
+/// Query rows per head of a grouped forward task: the group's `rep` heads stacked make about
+/// `BR` rows, the tile height of the ungrouped path.
+fn group_rows(d: &Dims) -> usize {
+    (BR / d.rep()).max(DOT_ROWS).min(d.t.max(1))
+}
+
+/// Per-thread scratch of the grouped forward: the stacked query rows, their unnormalised output
+/// rows, running max and sum, and the score tile, for `group_rows · rep` stacked rows.
+pub(crate) struct GroupScratch<T> {
+    qs: Vec<T>,
+    o: Vec<T>,
+    m: Vec<T>,
+    l: Vec<T>,
+    st: Vec<T>,
+}
+
+impl<T: Float> GroupScratch<T> {
+    fn new(d: &Dims) -> Self {
+        let rows = group_rows(d) * d.rep();
+        GroupScratch {
+            qs: vec![T::ZERO; rows * d.dk],
+            o: vec![T::ZERO; rows * d.dv],
+            m: vec![T::ZERO; rows],
+            l: vec![T::ZERO; rows],
+            st: vec![T::ZERO; rows * BC],
+        }
+    }
+}
+
+/// One grouped forward task: rows `t0 .. t0 + rows` of every query head of one (batch, kv head)
+/// (`qg`: the group's `rep` heads, each `[T, dk]`), written to `parts[h]` (head `h`'s output
+/// rows and log-sum-exps). The heads' rows are stacked interleaved, stacked row `i·rep + h`
+/// being row `t0 + i` of head `h`, so a rectangle of [`causal_chunks`] over the rows is one
+/// rectangle of the stack; otherwise the same arithmetic as [`fwd_task_tiled`], row by row.
+#[inline(always)]
+fn fwd_group_task<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    qg: &[T],
+    kh: &[T],
+    vh: &[T],
+    parts: &mut [(&mut [T], &mut [T])],
+    sc: &mut GroupScratch<T>,
+) {
+    let (dk, dv, rep) = (d.dk, d.dv, d.rep());
+    let rows = parts[0].1.len();
+    let n = rows * rep;
+    for i in 0..rows {
+        for h in 0..rep {
+            let src = (h * d.t + t0 + i) * dk;
+            sc.qs[(i * rep + h) * dk..(i * rep + h + 1) * dk].copy_from_slice(&qg[src..src + dk]);
+        }
+    }
+    let (m, l, o) = (&mut sc.m[..n], &mut sc.l[..n], &mut sc.o[..n * dv]);
+    m.fill(T::NEG_INF);
+    l.fill(T::ZERO);
+    o.fill(T::ZERO);
+    let kend = (t0 + rows + q_offset).min(d.s);
+    let mut s0 = 0;
+    while s0 < kend {
+        let s1 = (s0 + BC).min(kend);
+        for (r0, rc, nc) in causal_chunks(t0, rows, s0, s1 - s0, q_offset) {
+            let (g0, gc) = (r0 * rep, rc * rep);
+            let (st, og) = (&mut sc.st[g0 * BC..], &mut o[g0 * dv..(g0 + gc) * dv]);
+            // S[i, j] = scale * q_i . k_{s0 + j}
+            let qc = &sc.qs[g0 * dk..(g0 + gc) * dk];
+            mm(gc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
+            for i in 0..gc {
+                let seen = keys_seen(t0 + r0 + i / rep, q_offset, s0, s1 - s0);
+                let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], seen, &mut m[g0 + i], &mut l[g0 + i]);
+                if alpha != T::ONE {
+                    for x in og[i * dv..(i + 1) * dv].iter_mut() {
+                        *x *= alpha;
+                    }
+                }
+            }
+            // O += P V
+            mm(gc, dv, nc, og, dv, true, st, BC, 1, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
+        }
+        s0 = s1;
+    }
+    for (h, (out, lse)) in parts.iter_mut().enumerate() {
+        for i in 0..rows {
+            let g = i * rep + h;
+            let inv = T::ONE / l[g];
+            for (y, &x) in out[i * dv..(i + 1) * dv].iter_mut().zip(&o[g * dv..(g + 1) * dv]) {
+                *y = x * inv;
+            }
+            lse[i] = m[g] + l[g].ln();
+        }
+    }
+}
+
 /// Forward over all heads: fills `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`.
 pub(crate) fn flash_fwd<T: Float>(
     d: &Dims,
@@ -426,12 +531,14 @@ pub(crate) fn flash_fwd<T: Float>(
     out: &mut [T],
     lse: &mut [T],
 ) {
-    flash_fwd_at(simd::BEST, d, scale, q_offset, q, k, v, out, lse)
+    flash_fwd_at(simd::BEST, grouped(d), d, scale, q_offset, q, k, v, out, lse)
 }
 
-/// `flash_fwd` with the instruction-set level capped at `isa` (see `simd::BEST`).
+/// `flash_fwd` with the instruction-set level capped at `isa` (see `simd::BEST`); `group`: the
+/// grouped tasks (tests run the per-head ones on GQA shapes too).
 fn flash_fwd_at<T: Float>(
     isa: u8,
+    group: bool,
     d: &Dims,
     scale: f64,
     q_offset: usize,
@@ -445,6 +552,9 @@ fn flash_fwd_at<T: Float>(
         return;
     }
     let scale = T::from_f64(scale);
+    if group {
+        return flash_fwd_grouped(isa, d, scale, q_offset, q, k, v, out, lse);
+    }
     let rows_per = if d.t <= BR { d.t } else { BR };
     let mut tasks = Vec::with_capacity(d.b * d.hq * d.t.div_ceil(rows_per));
     for (bh, (oc, lc)) in out.chunks_mut(d.t * d.dv).zip(lse.chunks_mut(d.t)).enumerate() {
@@ -463,6 +573,48 @@ fn flash_fwd_at<T: Float>(
             let kh = &k[kv * d.s * d.dk..(kv + 1) * d.s * d.dk];
             let vh = &v[kv * d.s * d.dv..(kv + 1) * d.s * d.dv];
             kernel(d, scale, q_offset, t0, qh, kh, vh, o, l, sc);
+        },
+    );
+}
+
+/// [`flash_fwd_at`] over tasks `(batch, kv head, block of group_rows rows)`, each running every
+/// query head of its kv head (see [`fwd_group_task`]).
+fn flash_fwd_grouped<T: Float>(
+    isa: u8,
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: &mut [T],
+) {
+    let (rep, rows_per) = (d.rep(), group_rows(d));
+    let blocks = d.t.div_ceil(rows_per);
+    // Each head's output and lse cut into row blocks; heads b·Hq + g·rep .. + rep form group
+    // b·Hk + g, so consecutive runs of `rep` heads are the groups.
+    let mut heads: Vec<_> = out
+        .chunks_mut(d.t * d.dv)
+        .zip(lse.chunks_mut(d.t))
+        .map(|(o, l)| o.chunks_mut(rows_per * d.dv).zip(l.chunks_mut(rows_per)))
+        .collect();
+    let mut tasks = Vec::with_capacity(d.b * d.hk * blocks);
+    for (bg, group) in heads.chunks_mut(rep).enumerate() {
+        for blk in 0..blocks {
+            let parts: Vec<_> = group.iter_mut().map(|h| h.next().expect("one block per task")).collect();
+            tasks.push((bg, blk * rows_per, parts));
+        }
+    }
+    tasks.reverse(); // heaviest (latest) query blocks first
+    let kernel = simd::pick_fwd_group::<T>(isa);
+    tasks.into_par_iter().for_each_init(
+        || GroupScratch::new(d),
+        |sc, (bg, t0, mut parts)| {
+            let qg = &q[bg * rep * d.t * d.dk..(bg + 1) * rep * d.t * d.dk];
+            let kh = &k[bg * d.s * d.dk..(bg + 1) * d.s * d.dk];
+            let vh = &v[bg * d.s * d.dv..(bg + 1) * d.s * d.dv];
+            kernel(d, scale, q_offset, t0, qg, kh, vh, &mut parts, sc);
         },
     );
 }
@@ -742,12 +894,14 @@ mod simd {
     use super::*;
 
     pub(super) type FwdFn<T> = fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type GroupFwdFn<T> =
+        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [(&mut [T], &mut [T])], &mut GroupScratch<T>);
     pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
     pub(super) type GroupFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut [T], &mut [T], &mut Scratch<T>);
 
     macro_rules! variants {
-        ($feat:literal, $fwd:ident, $kv:ident, $q:ident, $group:ident) => {
+        ($feat:literal, $fwd:ident, $fwd_group:ident, $kv:ident, $q:ident, $group:ident) => {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
             unsafe fn $fwd<T: Float>(
@@ -763,6 +917,21 @@ mod simd {
                 sc: &mut Scratch<T>,
             ) {
                 fwd_task(d, scale, qo, t0, qh, kh, vh, out, lse, sc)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $fwd_group<T: Float>(
+                d: &Dims,
+                scale: T,
+                qo: usize,
+                t0: usize,
+                qg: &[T],
+                kh: &[T],
+                vh: &[T],
+                parts: &mut [(&mut [T], &mut [T])],
+                sc: &mut GroupScratch<T>,
+            ) {
+                fwd_group_task(d, scale, qo, t0, qg, kh, vh, parts, sc)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
@@ -798,8 +967,8 @@ mod simd {
             }
         };
     }
-    variants!("avx2,fma", fwd_avx2, kv_avx2, q_avx2, group_avx2);
-    variants!("avx512f,avx2,fma", fwd_avx512, kv_avx512, q_avx512, group_avx512);
+    variants!("avx2,fma", fwd_avx2, fwd_group_avx2, kv_avx2, q_avx2, group_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, fwd_group_avx512, kv_avx512, q_avx512, group_avx512);
 
     /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. `max` caps the choice (tests).
     pub(super) const BEST: u8 = 2;
@@ -817,6 +986,21 @@ mod simd {
             return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) };
         }
         |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
+    }
+
+    pub(super) fn pick_fwd_group<T: Float>(max: u8) -> GroupFwdFn<T> {
+        let level = crate::cpu::isa_level(max);
+        #[cfg(target_arch = "x86_64")]
+        if level == 2 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            return |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx512(d, s, qo, t0, qg, kh, vh, p, sc) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if level == 1 {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            return |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx2(d, s, qo, t0, qg, kh, vh, p, sc) };
+        }
+        |d, s, qo, t0, qg, kh, vh, p, sc| fwd_group_task(d, s, qo, t0, qg, kh, vh, p, sc)
     }
 
     pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>, GroupFn<T>) {
@@ -1032,7 +1216,7 @@ mod tests {
         let run = |isa: u8| {
             let mut out = vec![0f32; g.len()];
             let mut lse = vec![0f32; d.b * d.hq * d.t];
-            flash_fwd_at(isa, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            flash_fwd_at(isa, grouped(&d), &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
             let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
             let (mut dq1, mut dk1, mut dv1) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
             flash_bwd_at(isa, false, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
@@ -1048,6 +1232,39 @@ mod tests {
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
                 assert!(diff <= 1e-5 * scale, "isa {isa}, output {i}: diff {diff} (scale {scale})");
+            }
+        }
+    }
+
+    /// The grouped forward (a kv head's query heads stacked in one task) equals the per-head
+    /// forward in f64, at every instruction-set level: GQA ratios 2 to 64 (a stack taller than
+    /// `BR`), rows not a multiple of a group's block, several key blocks, a cache offset, few rows.
+    #[test]
+    fn grouped_forward_equals_per_head_forward() {
+        let cases = [
+            // (b, hq, hk, t, s, dk, dv, q_offset)
+            (2, 8, 2, 150, 150, 16, 24, 0),
+            (1, 6, 2, 77, 140, 5, 7, 63),
+            (1, 4, 1, 5, 9, 8, 8, 4),
+            (1, 64, 1, 40, 40, 4, 4, 0),
+            (3, 2, 1, 300, 300, 8, 8, 0),
+        ];
+        for (b, hq, hk, t, s, dk, dv, off) in cases {
+            let d = Dims { b, hq, hk, t, s, dk, dv };
+            assert!(grouped(&d), "{d:?}");
+            let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
+            let (q, k, v) = (gen(b * hq * t * dk, 0.1), gen(b * hk * s * dk, 0.2), gen(b * hk * s * dv, 0.3));
+            for isa in 0..=simd::BEST {
+                let run = |group: bool| {
+                    let (mut out, mut lse) = (vec![0f64; b * hq * t * dv], vec![0f64; b * hq * t]);
+                    flash_fwd_at(isa, group, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+                    [out, lse]
+                };
+                for (name, (a, w)) in ["out", "lse"].iter().zip(run(true).iter().zip(&run(false))) {
+                    let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+                    let diff = a.iter().zip(w).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+                    assert!(diff <= 1e-14 * scale, "{d:?} offset {off} isa {isa}: {name} diff {diff} (scale {scale})");
+                }
             }
         }
     }
