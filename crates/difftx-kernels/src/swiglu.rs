@@ -38,25 +38,86 @@ fn sigmoid<T: Float>(x: T) -> T {
     T::ONE / (T::ONE + (T::ZERO - x).exp())
 }
 
-pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
-    h.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(|(h, (g, u))| {
-        for ((o, &gv), &uv) in h.iter_mut().zip(g).zip(u) {
-            *o = gv * sigmoid(gv) * uv;
+/// `h = silu(g)·u` over one chunk.
+#[inline(always)]
+fn fwd_chunk<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
+    for ((o, &gv), &uv) in h.iter_mut().zip(g).zip(u) {
+        *o = gv * sigmoid(gv) * uv;
+    }
+}
+
+/// `dg`, `du` over one chunk.
+#[inline(always)]
+fn bwd_chunk<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+    for ((((a, b), &gv), &uv), &d) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u).zip(dh) {
+        let s = sigmoid(gv);
+        *a = d * uv * s * (T::ONE + gv * (T::ONE - s));
+        *b = d * gv * s;
+    }
+}
+
+/// The chunk loops compiled for AVX2 and AVX-512 as well as for the baseline x86-64 (SSE2):
+/// plain code is built for the latter, where the sigmoid's exp runs four lanes at a time. The
+/// same operations in the same order at every level (no fused multiply-adds), so the same bits.
+mod simd {
+    use super::*;
+
+    pub(super) type FwdFn<T> = fn(&[T], &[T], &mut [T]);
+    pub(super) type BwdFn<T> = fn(&[T], &[T], &[T], &mut [T], &mut [T]);
+
+    macro_rules! variants {
+        ($feat:literal, $fwd:ident, $bwd:ident) => {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
+                fwd_chunk(g, u, h)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+                bwd_chunk(g, u, dh, dg, du)
+            }
+        };
+    }
+    variants!("avx2,fma", fwd_avx2, bwd_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, bwd_avx512);
+
+    /// The chunk loops for the best instruction set this CPU has, capped at `max`.
+    pub(super) fn pick<T: Float>(max: u8) -> (FwdFn<T>, BwdFn<T>) {
+        match crate::cpu::isa_level(max) {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            #[cfg(target_arch = "x86_64")]
+            2 => (|g, u, h| unsafe { fwd_avx512(g, u, h) }, |g, u, dh, dg, du| unsafe { bwd_avx512(g, u, dh, dg, du) }),
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            1 => (|g, u, h| unsafe { fwd_avx2(g, u, h) }, |g, u, dh, dg, du| unsafe { bwd_avx2(g, u, dh, dg, du) }),
+            _ => (fwd_chunk, bwd_chunk),
         }
-    });
+    }
+}
+
+/// The instruction-set cap of the public op: the best the CPU has (tests pick lower levels).
+const BEST: u8 = 2;
+
+pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
+    swiglu_fwd_at(BEST, g, u, h)
+}
+
+fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T], h: &mut [T]) {
+    let (chunk, _) = simd::pick::<T>(isa);
+    h.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(|(h, (g, u))| chunk(g, u, h));
 }
 
 pub(crate) fn swiglu_bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+    swiglu_bwd_at(BEST, g, u, dh, dg, du)
+}
+
+fn swiglu_bwd_at<T: Float>(isa: u8, g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+    let (_, chunk) = simd::pick::<T>(isa);
     dg.par_chunks_mut(CHUNK)
         .zip(du.par_chunks_mut(CHUNK))
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)).zip(dh.par_chunks(CHUNK)))
-        .for_each(|((dg, du), ((g, u), dh))| {
-            for ((((a, b), &gv), &uv), &d) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u).zip(dh) {
-                let s = sigmoid(gv);
-                *a = d * uv * s * (T::ONE + gv * (T::ONE - s));
-                *b = d * gv * s;
-            }
-        });
+        .for_each(|((dg, du), ((g, u), dh))| chunk(g, u, dh, dg, du));
 }
 
 fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -107,5 +168,35 @@ impl CustomOp2 for SwiGlu {
             dt => bail!("difftx-swiglu: unsupported dtype {dt:?}"),
         };
         Ok((Some(dg), Some(du)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction-set level gives the baseline level's bits (the same operations in the
+    /// same order), forward and backward, on a length that is not a multiple of the lanes or
+    /// of the chunk, in f32 and f64.
+    #[test]
+    fn every_isa_level_gives_the_same_bits() {
+        fn check<T: Float + std::fmt::Debug>(from: impl Fn(f64) -> T) {
+            let n = CHUNK + 37;
+            let gen = |p: f64| -> Vec<T> { (0..n).map(|i| from((i as f64 * 0.37 + p).sin() * 9.0)).collect() };
+            let (g, u, dh) = (gen(0.1), gen(0.2), gen(0.3));
+            let run = |isa: u8| {
+                let mut h = vec![T::ZERO; n];
+                swiglu_fwd_at(isa, &g, &u, &mut h);
+                let (mut dg, mut du) = (vec![T::ZERO; n], vec![T::ZERO; n]);
+                swiglu_bwd_at(isa, &g, &u, &dh, &mut dg, &mut du);
+                [h, dg, du]
+            };
+            let base = run(0);
+            for isa in 1..=BEST {
+                assert_eq!(run(isa), base, "isa {isa}");
+            }
+        }
+        check(|x| x as f32);
+        check(|x| x);
     }
 }
