@@ -315,8 +315,8 @@ fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> 
     alpha
 }
 
-/// Tiled forward (rows >= DOT_ROWS): per key block, `S = scale Q K^T` and `O += P V` are gemm
-/// tile products; the online softmax runs row by row on the `[rows, BC]` tile in between.
+/// Tiled forward (rows >= DOT_ROWS): [`online_tiles`] over the task's rows, then `O /= l` and
+/// `lse = m + ln l`.
 #[inline(always)]
 fn fwd_task_tiled<T: Float>(
     d: &Dims,
@@ -333,39 +333,68 @@ fn fwd_task_tiled<T: Float>(
     let (dk, dv) = (d.dk, d.dv);
     let rows = lse.len();
     let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
-    m.fill(T::NEG_INF);
-    l.fill(T::ZERO);
-    out.fill(T::ZERO);
     let qb = &qh[t0 * dk..(t0 + rows) * dk];
-    let kend = (t0 + rows + q_offset).min(d.s);
-    let mut s0 = 0;
-    while s0 < kend {
-        let s1 = (s0 + BC).min(kend);
-        for (r0, rc, nc) in causal_chunks(t0, rows, s0, s1 - s0, q_offset) {
-            let (st, o) = (&mut sc.st[r0 * BC..], &mut out[r0 * dv..(r0 + rc) * dv]);
-            // S[i, j] = scale * q_i . k_{s0 + j}
-            let qc = &qb[r0 * dk..(r0 + rc) * dk];
-            mm(rc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
-            for i in 0..rc {
-                let n = keys_seen(t0 + r0 + i, q_offset, s0, s1 - s0);
-                let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], n, &mut m[r0 + i], &mut l[r0 + i]);
-                if alpha != T::ONE {
-                    for x in o[i * dv..(i + 1) * dv].iter_mut() {
-                        *x *= alpha;
-                    }
-                }
-            }
-            // O += P V
-            mm(rc, dv, nc, o, dv, true, st, BC, 1, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
-        }
-        s0 = s1;
-    }
+    online_tiles(d, scale, q_offset, t0, rows, 1, qb, kh, vh, out, m, l, &mut sc.st);
     for i in 0..rows {
         let inv = T::ONE / l[i];
         for x in out[i * dv..(i + 1) * dv].iter_mut() {
             *x *= inv;
         }
         lse[i] = m[i] + l[i].ln();
+    }
+}
+
+/// The key loop of the tiled forwards: query rows `t0 .. t0 + rows`, each stacked `rep` times in
+/// a row (`q` `[rows·rep, dk]`, stacked row `i·rep + h` at query row `t0 + i`), against every key
+/// block they see. Per block, `S = scale Q K^T` and `O += P V` are gemm tile products over the
+/// rectangles of [`causal_chunks`] (a rectangle of rows is one of the stack), with the online
+/// softmax row by row in between; leaves the unnormalised output `o` `[rows·rep, dv]` and each
+/// stacked row's running max `m` and sum `l`. `st` holds a `[rows·rep, BC]` tile.
+#[inline(always)]
+fn online_tiles<T: Float>(
+    d: &Dims,
+    scale: T,
+    q_offset: usize,
+    t0: usize,
+    rows: usize,
+    rep: usize,
+    q: &[T],
+    kh: &[T],
+    vh: &[T],
+    o: &mut [T],
+    m: &mut [T],
+    l: &mut [T],
+    st: &mut [T],
+) {
+    let (dk, dv) = (d.dk, d.dv);
+    m.fill(T::NEG_INF);
+    l.fill(T::ZERO);
+    o.fill(T::ZERO);
+    let kend = (t0 + rows + q_offset).min(d.s);
+    let mut s0 = 0;
+    while s0 < kend {
+        let s1 = (s0 + BC).min(kend);
+        for (r0, rc, nc) in causal_chunks(t0, rows, s0, s1 - s0, q_offset) {
+            let (g0, gc) = (r0 * rep, rc * rep);
+            let (st, og) = (&mut st[g0 * BC..], &mut o[g0 * dv..(g0 + gc) * dv]);
+            // S[i, j] = scale * q_i . k_{s0 + j}
+            let qc = &q[g0 * dk..(g0 + gc) * dk];
+            mm(gc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
+            for r in 0..rc {
+                let seen = keys_seen(t0 + r0 + r, q_offset, s0, s1 - s0);
+                for i in r * rep..(r + 1) * rep {
+                    let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], seen, &mut m[g0 + i], &mut l[g0 + i]);
+                    if alpha != T::ONE {
+                        for x in og[i * dv..(i + 1) * dv].iter_mut() {
+                            *x *= alpha;
+                        }
+                    }
+                }
+            }
+            // O += P V
+            mm(gc, dv, nc, og, dv, true, st, BC, 1, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
+        }
+        s0 = s1;
     }
 }
 
@@ -457,8 +486,8 @@ impl<T: Float> GroupScratch<T> {
 /// One grouped forward task: rows `t0 .. t0 + rows` of every query head of one (batch, kv head)
 /// (`qg`: the group's `rep` heads, each `[T, dk]`), written to `parts[h]` (head `h`'s output
 /// rows and log-sum-exps). The heads' rows are stacked interleaved, stacked row `i·rep + h`
-/// being row `t0 + i` of head `h`, so a rectangle of [`causal_chunks`] over the rows is one
-/// rectangle of the stack; otherwise the same arithmetic as [`fwd_task_tiled`], row by row.
+/// being row `t0 + i` of head `h`, for [`online_tiles`]: the same arithmetic per row as
+/// [`fwd_task_tiled`].
 #[inline(always)]
 fn fwd_group_task<T: Float>(
     d: &Dims,
@@ -481,33 +510,7 @@ fn fwd_group_task<T: Float>(
         }
     }
     let (m, l, o) = (&mut sc.m[..n], &mut sc.l[..n], &mut sc.o[..n * dv]);
-    m.fill(T::NEG_INF);
-    l.fill(T::ZERO);
-    o.fill(T::ZERO);
-    let kend = (t0 + rows + q_offset).min(d.s);
-    let mut s0 = 0;
-    while s0 < kend {
-        let s1 = (s0 + BC).min(kend);
-        for (r0, rc, nc) in causal_chunks(t0, rows, s0, s1 - s0, q_offset) {
-            let (g0, gc) = (r0 * rep, rc * rep);
-            let (st, og) = (&mut sc.st[g0 * BC..], &mut o[g0 * dv..(g0 + gc) * dv]);
-            // S[i, j] = scale * q_i . k_{s0 + j}
-            let qc = &sc.qs[g0 * dk..(g0 + gc) * dk];
-            mm(gc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
-            for i in 0..gc {
-                let seen = keys_seen(t0 + r0 + i / rep, q_offset, s0, s1 - s0);
-                let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], seen, &mut m[g0 + i], &mut l[g0 + i]);
-                if alpha != T::ONE {
-                    for x in og[i * dv..(i + 1) * dv].iter_mut() {
-                        *x *= alpha;
-                    }
-                }
-            }
-            // O += P V
-            mm(gc, dv, nc, og, dv, true, st, BC, 1, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
-        }
-        s0 = s1;
-    }
+    online_tiles(d, scale, q_offset, t0, rows, rep, &sc.qs[..n * dk], kh, vh, o, m, l, &mut sc.st);
     for (h, (out, lse)) in parts.iter_mut().enumerate() {
         for i in 0..rows {
             let g = i * rep + h;
