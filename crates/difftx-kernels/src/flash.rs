@@ -251,25 +251,35 @@ pub(crate) fn mm<T: Float>(
     }
 }
 
-/// Per-thread scratch tiles.
+/// Per-thread scratch tiles. `rows` below is the tallest stack of query rows a task works on:
+/// `BR`, or a grouped forward's `group_rows · rep` where that is more.
 pub(crate) struct Scratch<T> {
+    /// One row's scores (`BC`) in the row-at-a-time forward.
     s: Vec<T>,
+    /// `[rows, dk]`: the row-at-a-time forward's scaled query row (its first `dk`), the grouped
+    /// forward's stacked query rows.
     qs: Vec<T>,
+    /// `[rows, dv]`: the grouped forward's unnormalised output rows.
+    o: Vec<T>,
+    /// `[rows]`: running max and sum of the online softmax.
     m: Vec<T>,
     l: Vec<T>,
-    /// `[BR, BC]` score / probability tile and `[BR, BC]` dP / dS tile.
+    /// `[rows, BC]` score / probability tile and `[BR, BC]` dP / dS tile.
     st: Vec<T>,
     dpt: Vec<T>,
 }
 
 impl<T: Float> Scratch<T> {
     fn new(d: &Dims) -> Self {
+        let stack = if grouped(d) { group_rows(d) * d.rep() } else { 1 };
+        let rows = BR.max(stack);
         Scratch {
             s: vec![T::ZERO; BC],
-            qs: vec![T::ZERO; d.dk],
-            m: vec![T::ZERO; BR],
-            l: vec![T::ZERO; BR],
-            st: vec![T::ZERO; BR * BC],
+            qs: vec![T::ZERO; stack * d.dk],
+            o: vec![T::ZERO; if grouped(d) { stack * d.dv } else { 0 }],
+            m: vec![T::ZERO; rows],
+            l: vec![T::ZERO; rows],
+            st: vec![T::ZERO; rows * BC],
             dpt: vec![T::ZERO; BR * BC],
         }
     }
@@ -416,7 +426,8 @@ fn fwd_task_rows<T: Float>(
     for (i, (o, lse)) in out.chunks_exact_mut(dv).zip(lse.iter_mut()).enumerate() {
         let t = t0 + i;
         let kend = (t + q_offset + 1).min(d.s);
-        for (x, &y) in sc.qs.iter_mut().zip(&qh[t * dk..(t + 1) * dk]) {
+        let qs = &mut sc.qs[..dk];
+        for (x, &y) in qs.iter_mut().zip(&qh[t * dk..(t + 1) * dk]) {
             *x = y * scale;
         }
         o.fill(T::ZERO);
@@ -426,7 +437,7 @@ fn fwd_task_rows<T: Float>(
             let s1 = (s0 + BC).min(kend);
             let n = s1 - s0;
             for (j, x) in sc.s[..n].iter_mut().enumerate() {
-                *x = dot(&sc.qs, &kh[(s0 + j) * dk..(s0 + j + 1) * dk]);
+                *x = dot(qs, &kh[(s0 + j) * dk..(s0 + j + 1) * dk]);
             }
             let alpha = online_softmax_row(&mut sc.s[..n], n, &mut m, &mut l);
             if alpha != T::ONE {
@@ -460,29 +471,6 @@ fn group_rows(d: &Dims) -> usize {
     (BR / d.rep()).max(DOT_ROWS).min(d.t.max(1))
 }
 
-/// Per-thread scratch of the grouped forward: the stacked query rows, their unnormalised output
-/// rows, running max and sum, and the score tile, for `group_rows · rep` stacked rows.
-pub(crate) struct GroupScratch<T> {
-    qs: Vec<T>,
-    o: Vec<T>,
-    m: Vec<T>,
-    l: Vec<T>,
-    st: Vec<T>,
-}
-
-impl<T: Float> GroupScratch<T> {
-    fn new(d: &Dims) -> Self {
-        let rows = group_rows(d) * d.rep();
-        GroupScratch {
-            qs: vec![T::ZERO; rows * d.dk],
-            o: vec![T::ZERO; rows * d.dv],
-            m: vec![T::ZERO; rows],
-            l: vec![T::ZERO; rows],
-            st: vec![T::ZERO; rows * BC],
-        }
-    }
-}
-
 /// One grouped forward task: rows `t0 .. t0 + rows` of every query head of one (batch, kv head)
 /// (`qg`: the group's `rep` heads, each `[T, dk]`), written to `parts[h]` (head `h`'s output
 /// rows and log-sum-exps). The heads' rows are stacked interleaved, stacked row `i·rep + h`
@@ -498,7 +486,7 @@ fn fwd_group_task<T: Float>(
     kh: &[T],
     vh: &[T],
     parts: &mut [(&mut [T], &mut [T])],
-    sc: &mut GroupScratch<T>,
+    sc: &mut Scratch<T>,
 ) {
     let (dk, dv, rep) = (d.dk, d.dv, d.rep());
     let rows = parts[0].1.len();
@@ -566,7 +554,7 @@ fn flash_fwd_at<T: Float>(
         }
     }
     tasks.reverse(); // heaviest (latest) query blocks first
-    let kernel = simd::pick_fwd::<T>(isa);
+    let (kernel, _) = simd::pick_fwd::<T>(isa);
     tasks.into_par_iter().for_each_init(
         || Scratch::new(d),
         |sc, (bh, t0, o, l)| {
@@ -610,9 +598,9 @@ fn flash_fwd_grouped<T: Float>(
         }
     }
     tasks.reverse(); // heaviest (latest) query blocks first
-    let kernel = simd::pick_fwd_group::<T>(isa);
+    let (_, kernel) = simd::pick_fwd::<T>(isa);
     tasks.into_par_iter().for_each_init(
-        || GroupScratch::new(d),
+        || Scratch::new(d),
         |sc, (bg, t0, mut parts)| {
             let qg = &q[bg * rep * d.t * d.dk..(bg + 1) * rep * d.t * d.dk];
             let kh = &k[bg * d.s * d.dk..(bg + 1) * d.s * d.dk];
@@ -898,7 +886,7 @@ mod simd {
 
     pub(super) type FwdFn<T> = fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type GroupFwdFn<T> =
-        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [(&mut [T], &mut [T])], &mut GroupScratch<T>);
+        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [(&mut [T], &mut [T])], &mut Scratch<T>);
     pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
     pub(super) type GroupFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut [T], &mut [T], &mut Scratch<T>);
@@ -932,7 +920,7 @@ mod simd {
                 kh: &[T],
                 vh: &[T],
                 parts: &mut [(&mut [T], &mut [T])],
-                sc: &mut GroupScratch<T>,
+                sc: &mut Scratch<T>,
             ) {
                 fwd_group_task(d, scale, qo, t0, qg, kh, vh, parts, sc)
             }
@@ -976,34 +964,29 @@ mod simd {
     /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. `max` caps the choice (tests).
     pub(super) const BEST: u8 = 2;
 
-    pub(super) fn pick_fwd<T: Float>(max: u8) -> FwdFn<T> {
+    /// The forward tasks (per head, grouped) for the best instruction set this CPU has.
+    pub(super) fn pick_fwd<T: Float>(max: u8) -> (FwdFn<T>, GroupFwdFn<T>) {
         let level = crate::cpu::isa_level(max);
         #[cfg(target_arch = "x86_64")]
         if level == 2 {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
-            return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) };
+            return (
+                |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) },
+                |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx512(d, s, qo, t0, qg, kh, vh, p, sc) },
+            );
         }
         #[cfg(target_arch = "x86_64")]
         if level == 1 {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
-            return |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) };
+            return (
+                |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) },
+                |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx2(d, s, qo, t0, qg, kh, vh, p, sc) },
+            );
         }
-        |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc)
-    }
-
-    pub(super) fn pick_fwd_group<T: Float>(max: u8) -> GroupFwdFn<T> {
-        let level = crate::cpu::isa_level(max);
-        #[cfg(target_arch = "x86_64")]
-        if level == 2 {
-            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
-            return |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx512(d, s, qo, t0, qg, kh, vh, p, sc) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if level == 1 {
-            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
-            return |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx2(d, s, qo, t0, qg, kh, vh, p, sc) };
-        }
-        |d, s, qo, t0, qg, kh, vh, p, sc| fwd_group_task(d, s, qo, t0, qg, kh, vh, p, sc)
+        (
+            |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc),
+            |d, s, qo, t0, qg, kh, vh, p, sc| fwd_group_task(d, s, qo, t0, qg, kh, vh, p, sc),
+        )
     }
 
     pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>, GroupFn<T>) {
