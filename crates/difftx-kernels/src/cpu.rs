@@ -3,6 +3,9 @@
 use crate::float::Float;
 use candle_core::{bail, CpuStorage, Layout, Result, Storage, Tensor};
 
+/// The highest level [`isa_level`] knows (AVX-512F): the kernels ask for it, tests for lower ones.
+pub(crate) const BEST_ISA: u8 = 2;
+
 /// The instruction-set level of the hand-written kernels' variants that this CPU runs, capped at
 /// `max` (tests pick lower levels): 0 plain code, 1 AVX2 + FMA, 2 AVX-512F (with AVX2 and FMA).
 pub(crate) fn isa_level(max: u8) -> u8 {

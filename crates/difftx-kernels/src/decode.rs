@@ -25,9 +25,6 @@
 /// the byte-vocabulary head), decoded 3-7% faster at batch 1 than 64K.
 const MIN_MACS_PER_TASK: usize = 16 * 1024;
 
-/// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F.
-pub const ISA_BEST: u8 = 2;
-
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
     use super::{Element, KV_CHUNK};
@@ -737,7 +734,7 @@ fn packed_order(out: usize, in_dim: usize, block: usize) -> impl Iterator<Item =
 
 /// `y = x·Wᵀ` for a Linear weight W: x `[rows, in]`, y `[rows, out]`.
 pub fn matmul_packed(x: &[f32], w: &PackedWeight, y: &mut [f32]) {
-    matmul_packed_at(ISA_BEST, x, w, y)
+    matmul_packed_at(crate::cpu::BEST_ISA, x, w, y)
 }
 
 /// `matmul_packed` with the instruction-set level capped at `isa`.
@@ -832,7 +829,7 @@ pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
 /// keys in chunks as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()`
 /// are read, holding anything finite, and ignored).
 pub fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
-    softmax_scores_at(ISA_BEST, q, keys, chunk_stride, scale, p)
+    softmax_scores_at(crate::cpu::BEST_ISA, q, keys, chunk_stride, scale, p)
 }
 
 /// `softmax_scores` with the instruction-set level capped at `isa`.
@@ -848,7 +845,7 @@ pub fn softmax_scores_at(isa: u8, q: &[f32], keys: &[f32], chunk_stride: usize, 
 /// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features in chunks as [`KV_CHUNK`]
 /// says. The weights may be signed (diff-v1's and diff-v2's `p1 − λ·p2`).
 pub fn weighted_values(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
-    weighted_values_at(ISA_BEST, p, values, chunk_stride, out)
+    weighted_values_at(crate::cpu::BEST_ISA, p, values, chunk_stride, out)
 }
 
 /// `weighted_values` with the instruction-set level capped at `isa`.
@@ -863,7 +860,7 @@ pub fn weighted_values_at(isa: u8, p: &[f32], values: &[f32], chunk_stride: usiz
 
 /// `out = silu(gate)·up` element-wise (fast exp, relative error ~2e-7).
 pub fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    swiglu_rows_at(ISA_BEST, gate, up, out)
+    swiglu_rows_at(crate::cpu::BEST_ISA, gate, up, out)
 }
 
 /// `swiglu_rows` with the instruction-set level capped at `isa`.
@@ -929,7 +926,7 @@ mod tests {
                     matmul_packed_at(isa, &x, &packed, &mut y);
                     y
                 };
-                for isa in 0..=ISA_BEST {
+                for isa in 0..=crate::cpu::BEST_ISA {
                     for (g, e) in at(isa).iter().zip(want) {
                         assert!(
                             (*g as f64 - e).abs() < tol,
@@ -989,7 +986,7 @@ mod tests {
             let want_p: Vec<f64> = e.iter().map(|v| v / z).collect();
             let want_o: Vec<f64> =
                 (0..dv).map(|c| (0..len).map(|s| want_p[s] * value[s * dv + c] as f64).sum::<f64>() + 0.5).collect();
-            for isa in 0..=ISA_BEST {
+            for isa in 0..=crate::cpu::BEST_ISA {
                 let mut p = vec![0f32; len];
                 softmax_scores_at(isa, &q, &keys, key_stride, scale as f32, &mut p);
                 for (g, e) in p.iter().zip(&want_p) {
@@ -1009,7 +1006,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let gate: Vec<f32> = random(77, &mut rng).iter().map(|g| g * 12.0).collect();
         let up = random(77, &mut rng);
-        for isa in 0..=ISA_BEST {
+        for isa in 0..=crate::cpu::BEST_ISA {
             let mut out = vec![0f32; 77];
             swiglu_rows_at(isa, &gate, &up, &mut out);
             for i in 0..77 {

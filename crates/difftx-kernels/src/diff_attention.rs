@@ -428,7 +428,7 @@ mod simd {
 
     /// The task compiled for the best instruction set this CPU has.
     pub(super) fn pick<T: Float>() -> TaskFn<T> {
-        match crate::cpu::isa_level(2) {
+        match crate::cpu::isa_level(crate::cpu::BEST_ISA) {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             #[cfg(target_arch = "x86_64")]
             2 => |x, kv, g, tl| unsafe { task_avx512(x, kv, g, tl) },

@@ -40,7 +40,7 @@
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
 
-use crate::cpu::storage_slice;
+use crate::cpu::{storage_slice, BEST_ISA};
 use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -271,12 +271,13 @@ pub(crate) struct Scratch<T> {
 
 impl<T: Float> Scratch<T> {
     fn new(d: &Dims) -> Self {
-        let stack = if grouped(d) { group_rows(d) * d.rep() } else { 1 };
+        // the grouped forward's stacked rows (none without it)
+        let stack = if grouped(d) { group_rows(d) * d.rep() } else { 0 };
         let rows = BR.max(stack);
         Scratch {
             s: vec![T::ZERO; BC],
-            qs: vec![T::ZERO; stack * d.dk],
-            o: vec![T::ZERO; if grouped(d) { stack * d.dv } else { 0 }],
+            qs: vec![T::ZERO; stack.max(1) * d.dk],
+            o: vec![T::ZERO; stack * d.dv],
             m: vec![T::ZERO; rows],
             l: vec![T::ZERO; rows],
             st: vec![T::ZERO; rows * BC],
@@ -288,26 +289,35 @@ impl<T: Float> Scratch<T> {
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-/// One forward task: rows `t0 .. t0 + lse.len()` of one (batch, query head).
-/// `qh` is that head's `[T, dk]`, `kh`/`vh` its kv head's `[S, dk]`/`[S, dv]`;
-/// writes `out` (`[rows, dv]`) and `lse` (`[rows]`).
-#[inline(always)]
-fn fwd_task<T: Float>(
-    d: &Dims,
+/// What a forward task reads besides its query rows: the call's sizes, scale and KV-cache
+/// offset, and its kv head's keys `[S, dk]` and values `[S, dv]`.
+#[derive(Clone, Copy)]
+pub(crate) struct KvHead<'a, T> {
+    d: &'a Dims,
     scale: T,
     q_offset: usize,
-    t0: usize,
-    qh: &[T],
-    kh: &[T],
-    vh: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-    sc: &mut Scratch<T>,
-) {
+    kh: &'a [T],
+    vh: &'a [T],
+}
+
+impl<'a, T> KvHead<'a, T> {
+    /// Flat kv head `kv` (`b·Hk + g`) of `k` `[B, Hk, S, dk]` and `v` `[B, Hk, S, dv]`.
+    fn of(d: &'a Dims, scale: T, q_offset: usize, k: &'a [T], v: &'a [T], kv: usize) -> Self {
+        let kh = &k[kv * d.s * d.dk..(kv + 1) * d.s * d.dk];
+        let vh = &v[kv * d.s * d.dv..(kv + 1) * d.s * d.dv];
+        KvHead { d, scale, q_offset, kh, vh }
+    }
+}
+
+/// One forward task: rows `t0 .. t0 + lse.len()` of one (batch, query head).
+/// `qh` is that head's `[T, dk]`, `kv` its kv head's keys and values;
+/// writes `out` (`[rows, dv]`) and `lse` (`[rows]`).
+#[inline(always)]
+fn fwd_task<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>) {
     if lse.len() >= DOT_ROWS {
-        fwd_task_tiled(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+        fwd_task_tiled(kv, t0, qh, out, lse, sc)
     } else {
-        fwd_task_rows(d, scale, q_offset, t0, qh, kh, vh, out, lse, sc)
+        fwd_task_rows(kv, t0, qh, out, lse, sc)
     }
 }
 
@@ -328,23 +338,12 @@ fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> 
 /// Tiled forward (rows >= DOT_ROWS): [`online_tiles`] over the task's rows, then `O /= l` and
 /// `lse = m + ln l`.
 #[inline(always)]
-fn fwd_task_tiled<T: Float>(
-    d: &Dims,
-    scale: T,
-    q_offset: usize,
-    t0: usize,
-    qh: &[T],
-    kh: &[T],
-    vh: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-    sc: &mut Scratch<T>,
-) {
-    let (dk, dv) = (d.dk, d.dv);
+fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>) {
+    let (dk, dv) = (kv.d.dk, kv.d.dv);
     let rows = lse.len();
     let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
     let qb = &qh[t0 * dk..(t0 + rows) * dk];
-    online_tiles(d, scale, q_offset, t0, rows, 1, qb, kh, vh, out, m, l, &mut sc.st);
+    online_tiles(kv, t0, rows, 1, qb, out, m, l, &mut sc.st);
     for i in 0..rows {
         let inv = T::ONE / l[i];
         for x in out[i * dv..(i + 1) * dv].iter_mut() {
@@ -362,20 +361,17 @@ fn fwd_task_tiled<T: Float>(
 /// stacked row's running max `m` and sum `l`. `st` holds a `[rows·rep, BC]` tile.
 #[inline(always)]
 fn online_tiles<T: Float>(
-    d: &Dims,
-    scale: T,
-    q_offset: usize,
+    kv: &KvHead<T>,
     t0: usize,
     rows: usize,
     rep: usize,
     q: &[T],
-    kh: &[T],
-    vh: &[T],
     o: &mut [T],
     m: &mut [T],
     l: &mut [T],
     st: &mut [T],
 ) {
+    let KvHead { d, scale, q_offset, kh, vh } = *kv;
     let (dk, dv) = (d.dk, d.dv);
     m.fill(T::NEG_INF);
     l.fill(T::ZERO);
@@ -410,18 +406,8 @@ fn online_tiles<T: Float>(
 
 /// Row-at-a-time forward for a handful of rows (decode, T = 1): dot products and axpys, no tiles.
 #[inline(always)]
-fn fwd_task_rows<T: Float>(
-    d: &Dims,
-    scale: T,
-    q_offset: usize,
-    t0: usize,
-    qh: &[T],
-    kh: &[T],
-    vh: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-    sc: &mut Scratch<T>,
-) {
+fn fwd_task_rows<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>) {
+    let KvHead { d, scale, q_offset, kh, vh } = *kv;
     let (dk, dv) = (d.dk, d.dv);
     for (i, (o, lse)) in out.chunks_exact_mut(dv).zip(lse.iter_mut()).enumerate() {
         let t = t0 + i;
@@ -478,16 +464,13 @@ fn group_rows(d: &Dims) -> usize {
 /// [`fwd_task_tiled`].
 #[inline(always)]
 fn fwd_group_task<T: Float>(
-    d: &Dims,
-    scale: T,
-    q_offset: usize,
+    kv: &KvHead<T>,
     t0: usize,
     qg: &[T],
-    kh: &[T],
-    vh: &[T],
     parts: &mut [(&mut [T], &mut [T])],
     sc: &mut Scratch<T>,
 ) {
+    let d = kv.d;
     let (dk, dv, rep) = (d.dk, d.dv, d.rep());
     let rows = parts[0].1.len();
     let n = rows * rep;
@@ -498,7 +481,7 @@ fn fwd_group_task<T: Float>(
         }
     }
     let (m, l, o) = (&mut sc.m[..n], &mut sc.l[..n], &mut sc.o[..n * dv]);
-    online_tiles(d, scale, q_offset, t0, rows, rep, &sc.qs[..n * dk], kh, vh, o, m, l, &mut sc.st);
+    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, m, l, &mut sc.st);
     for (h, (out, lse)) in parts.iter_mut().enumerate() {
         for i in 0..rows {
             let g = i * rep + h;
@@ -522,10 +505,10 @@ pub(crate) fn flash_fwd<T: Float>(
     out: &mut [T],
     lse: &mut [T],
 ) {
-    flash_fwd_at(simd::BEST, grouped(d), d, scale, q_offset, q, k, v, out, lse)
+    flash_fwd_at(BEST_ISA, grouped(d), d, scale, q_offset, q, k, v, out, lse)
 }
 
-/// `flash_fwd` with the instruction-set level capped at `isa` (see `simd::BEST`); `group`: the
+/// `flash_fwd` with the instruction-set level capped at `isa` (see `BEST_ISA`); `group`: the
 /// grouped tasks (tests run the per-head ones on GQA shapes too).
 fn flash_fwd_at<T: Float>(
     isa: u8,
@@ -544,7 +527,34 @@ fn flash_fwd_at<T: Float>(
     }
     let scale = T::from_f64(scale);
     if group {
-        return flash_fwd_grouped(isa, d, scale, q_offset, q, k, v, out, lse);
+        // Tasks (batch, kv head, block of group_rows rows), each running every query head of
+        // its kv head (`fwd_group_task`).
+        let (rep, rows_per) = (d.rep(), group_rows(d));
+        let blocks = d.t.div_ceil(rows_per);
+        // Each head's output and lse cut into row blocks; heads b·Hq + g·rep .. + rep form group
+        // b·Hk + g, so consecutive runs of `rep` heads are the groups.
+        let mut heads: Vec<_> = out
+            .chunks_mut(d.t * d.dv)
+            .zip(lse.chunks_mut(d.t))
+            .map(|(o, l)| o.chunks_mut(rows_per * d.dv).zip(l.chunks_mut(rows_per)))
+            .collect();
+        let mut tasks = Vec::with_capacity(d.b * d.hk * blocks);
+        for (bg, group_heads) in heads.chunks_mut(rep).enumerate() {
+            for blk in 0..blocks {
+                let parts: Vec<_> = group_heads.iter_mut().map(|h| h.next().expect("one block per task")).collect();
+                tasks.push((bg, blk * rows_per, parts));
+            }
+        }
+        tasks.reverse(); // heaviest (latest) query blocks first
+        let (_, kernel) = simd::pick_fwd::<T>(isa);
+        tasks.into_par_iter().for_each_init(
+            || Scratch::new(d),
+            |sc, (bg, t0, mut parts)| {
+                let qg = &q[bg * rep * d.t * d.dk..(bg + 1) * rep * d.t * d.dk];
+                kernel(&KvHead::of(d, scale, q_offset, k, v, bg), t0, qg, &mut parts, sc);
+            },
+        );
+        return;
     }
     let rows_per = if d.t <= BR { d.t } else { BR };
     let mut tasks = Vec::with_capacity(d.b * d.hq * d.t.div_ceil(rows_per));
@@ -561,51 +571,7 @@ fn flash_fwd_at<T: Float>(
             let (b, h) = (bh / d.hq, bh % d.hq);
             let kv = b * d.hk + h / d.rep();
             let qh = &q[bh * d.t * d.dk..(bh + 1) * d.t * d.dk];
-            let kh = &k[kv * d.s * d.dk..(kv + 1) * d.s * d.dk];
-            let vh = &v[kv * d.s * d.dv..(kv + 1) * d.s * d.dv];
-            kernel(d, scale, q_offset, t0, qh, kh, vh, o, l, sc);
-        },
-    );
-}
-
-/// [`flash_fwd_at`] over tasks `(batch, kv head, block of group_rows rows)`, each running every
-/// query head of its kv head (see [`fwd_group_task`]).
-fn flash_fwd_grouped<T: Float>(
-    isa: u8,
-    d: &Dims,
-    scale: T,
-    q_offset: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-) {
-    let (rep, rows_per) = (d.rep(), group_rows(d));
-    let blocks = d.t.div_ceil(rows_per);
-    // Each head's output and lse cut into row blocks; heads b·Hq + g·rep .. + rep form group
-    // b·Hk + g, so consecutive runs of `rep` heads are the groups.
-    let mut heads: Vec<_> = out
-        .chunks_mut(d.t * d.dv)
-        .zip(lse.chunks_mut(d.t))
-        .map(|(o, l)| o.chunks_mut(rows_per * d.dv).zip(l.chunks_mut(rows_per)))
-        .collect();
-    let mut tasks = Vec::with_capacity(d.b * d.hk * blocks);
-    for (bg, group) in heads.chunks_mut(rep).enumerate() {
-        for blk in 0..blocks {
-            let parts: Vec<_> = group.iter_mut().map(|h| h.next().expect("one block per task")).collect();
-            tasks.push((bg, blk * rows_per, parts));
-        }
-    }
-    tasks.reverse(); // heaviest (latest) query blocks first
-    let (_, kernel) = simd::pick_fwd::<T>(isa);
-    tasks.into_par_iter().for_each_init(
-        || Scratch::new(d),
-        |sc, (bg, t0, mut parts)| {
-            let qg = &q[bg * rep * d.t * d.dk..(bg + 1) * rep * d.t * d.dk];
-            let kh = &k[bg * d.s * d.dk..(bg + 1) * d.s * d.dk];
-            let vh = &v[bg * d.s * d.dv..(bg + 1) * d.s * d.dv];
-            kernel(d, scale, q_offset, t0, qg, kh, vh, &mut parts, sc);
+            kernel(&KvHead::of(d, scale, q_offset, k, v, kv), t0, qh, o, l, sc);
         },
     );
 }
@@ -800,10 +766,10 @@ pub(crate) fn flash_bwd<T: Float>(
     dk: &mut [T],
     dv: &mut [T],
 ) {
-    flash_bwd_at(simd::BEST, one_pass(d), d, scale, q_offset, q, k, v, out, dout, lse, dq, dk, dv)
+    flash_bwd_at(BEST_ISA, one_pass(d), d, scale, q_offset, q, k, v, out, dout, lse, dq, dk, dv)
 }
 
-/// `flash_bwd` with the instruction-set level capped at `isa` (see `simd::BEST`), in one pass
+/// `flash_bwd` with the instruction-set level capped at `isa` (see `BEST_ISA`), in one pass
 /// over (batch, kv head) tasks or in two passes over blocks (see [`one_pass`]).
 fn flash_bwd_at<T: Float>(
     isa: u8,
@@ -884,9 +850,8 @@ fn flash_bwd_at<T: Float>(
 mod simd {
     use super::*;
 
-    pub(super) type FwdFn<T> = fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [T], &mut [T], &mut Scratch<T>);
-    pub(super) type GroupFwdFn<T> =
-        fn(&Dims, T, usize, usize, &[T], &[T], &[T], &mut [(&mut [T], &mut [T])], &mut Scratch<T>);
+    pub(super) type FwdFn<T> = fn(&KvHead<T>, usize, &[T], &mut [T], &mut [T], &mut Scratch<T>);
+    pub(super) type GroupFwdFn<T> = fn(&KvHead<T>, usize, &[T], &mut [(&mut [T], &mut [T])], &mut Scratch<T>);
     pub(super) type KvFn<T> = fn(&BwdIn<T>, usize, usize, usize, usize, &mut [T], &mut [T], &mut Scratch<T>);
     pub(super) type QFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut Scratch<T>);
     pub(super) type GroupFn<T> = fn(&BwdIn<T>, usize, usize, &mut [T], &mut [T], &mut [T], &mut Scratch<T>);
@@ -896,33 +861,25 @@ mod simd {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
             unsafe fn $fwd<T: Float>(
-                d: &Dims,
-                scale: T,
-                qo: usize,
+                kv: &KvHead<T>,
                 t0: usize,
                 qh: &[T],
-                kh: &[T],
-                vh: &[T],
                 out: &mut [T],
                 lse: &mut [T],
                 sc: &mut Scratch<T>,
             ) {
-                fwd_task(d, scale, qo, t0, qh, kh, vh, out, lse, sc)
+                fwd_task(kv, t0, qh, out, lse, sc)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
             unsafe fn $fwd_group<T: Float>(
-                d: &Dims,
-                scale: T,
-                qo: usize,
+                kv: &KvHead<T>,
                 t0: usize,
                 qg: &[T],
-                kh: &[T],
-                vh: &[T],
                 parts: &mut [(&mut [T], &mut [T])],
                 sc: &mut Scratch<T>,
             ) {
-                fwd_group_task(d, scale, qo, t0, qg, kh, vh, parts, sc)
+                fwd_group_task(kv, t0, qg, parts, sc)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
@@ -961,9 +918,6 @@ mod simd {
     variants!("avx2,fma", fwd_avx2, fwd_group_avx2, kv_avx2, q_avx2, group_avx2);
     variants!("avx512f,avx2,fma", fwd_avx512, fwd_group_avx512, kv_avx512, q_avx512, group_avx512);
 
-    /// Instruction-set level: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. `max` caps the choice (tests).
-    pub(super) const BEST: u8 = 2;
-
     /// The forward tasks (per head, grouped) for the best instruction set this CPU has.
     pub(super) fn pick_fwd<T: Float>(max: u8) -> (FwdFn<T>, GroupFwdFn<T>) {
         let level = crate::cpu::isa_level(max);
@@ -971,22 +925,19 @@ mod simd {
         if level == 2 {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return (
-                |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx512(d, s, qo, t0, qh, kh, vh, o, l, sc) },
-                |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx512(d, s, qo, t0, qg, kh, vh, p, sc) },
+                |kv, t0, qh, o, l, sc| unsafe { fwd_avx512(kv, t0, qh, o, l, sc) },
+                |kv, t0, qg, p, sc| unsafe { fwd_group_avx512(kv, t0, qg, p, sc) },
             );
         }
         #[cfg(target_arch = "x86_64")]
         if level == 1 {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             return (
-                |d, s, qo, t0, qh, kh, vh, o, l, sc| unsafe { fwd_avx2(d, s, qo, t0, qh, kh, vh, o, l, sc) },
-                |d, s, qo, t0, qg, kh, vh, p, sc| unsafe { fwd_group_avx2(d, s, qo, t0, qg, kh, vh, p, sc) },
+                |kv, t0, qh, o, l, sc| unsafe { fwd_avx2(kv, t0, qh, o, l, sc) },
+                |kv, t0, qg, p, sc| unsafe { fwd_group_avx2(kv, t0, qg, p, sc) },
             );
         }
-        (
-            |d, s, qo, t0, qh, kh, vh, o, l, sc| fwd_task(d, s, qo, t0, qh, kh, vh, o, l, sc),
-            |d, s, qo, t0, qg, kh, vh, p, sc| fwd_group_task(d, s, qo, t0, qg, kh, vh, p, sc),
-        )
+        (|kv, t0, qh, o, l, sc| fwd_task(kv, t0, qh, o, l, sc), |kv, t0, qg, p, sc| fwd_group_task(kv, t0, qg, p, sc))
     }
 
     pub(super) fn pick_bwd<T: Float>(max: u8) -> (KvFn<T>, QFn<T>, GroupFn<T>) {
@@ -1210,7 +1161,7 @@ mod tests {
             [out, lse, dq, dk, dv, dq1, dk1, dv1]
         };
         let base = run(0);
-        for isa in 0..=simd::BEST {
+        for isa in 0..=BEST_ISA {
             let got = run(isa);
             // the ISA variants against the baseline one; both backward paths against its two passes
             let pairs = got.iter().zip(&base).chain(got[5..].iter().zip(&base[2..5]));
@@ -1240,7 +1191,7 @@ mod tests {
             assert!(grouped(&d), "{d:?}");
             let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
             let (q, k, v) = (gen(b * hq * t * dk, 0.1), gen(b * hk * s * dk, 0.2), gen(b * hk * s * dv, 0.3));
-            for isa in 0..=simd::BEST {
+            for isa in 0..=BEST_ISA {
                 let run = |group: bool| {
                     let (mut out, mut lse) = (vec![0f64; b * hq * t * dv], vec![0f64; b * hq * t]);
                     flash_fwd_at(isa, group, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
@@ -1280,7 +1231,7 @@ mod tests {
             flash_fwd(&d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
             let grads = |one: bool| {
                 let (mut dq, mut dk, mut dv) = (vec![0f64; q.len()], vec![0f64; k.len()], vec![0f64; v.len()]);
-                flash_bwd_at(simd::BEST, one, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
+                flash_bwd_at(BEST_ISA, one, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
                 [dq, dk, dv]
             };
             for (name, (a, w)) in ["dq", "dk", "dv"].iter().zip(grads(true).iter().zip(&grads(false))) {

@@ -5,7 +5,7 @@
 //!   h  = g·s·u
 //!   dg = dh·u·s·(1 + g·(1 - s)),   du = dh·g·s
 
-use crate::cpu::{storage_slice, with_slice};
+use crate::cpu::{storage_slice, with_slice, BEST_ISA};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -96,11 +96,8 @@ mod simd {
     }
 }
 
-/// The instruction-set cap of the public op: the best the CPU has (tests pick lower levels).
-const BEST: u8 = 2;
-
 pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
-    swiglu_fwd_at(BEST, g, u, h)
+    swiglu_fwd_at(BEST_ISA, g, u, h)
 }
 
 fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T], h: &mut [T]) {
@@ -109,7 +106,7 @@ fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T], h: &mut [T]) {
 }
 
 pub(crate) fn swiglu_bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
-    swiglu_bwd_at(BEST, g, u, dh, dg, du)
+    swiglu_bwd_at(BEST_ISA, g, u, dh, dg, du)
 }
 
 fn swiglu_bwd_at<T: Float>(isa: u8, g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
@@ -192,7 +189,7 @@ mod tests {
                 [h, dg, du]
             };
             let base = run(0);
-            for isa in 1..=BEST {
+            for isa in 1..=BEST_ISA {
                 assert_eq!(run(isa), base, "isa {isa}");
             }
         }
