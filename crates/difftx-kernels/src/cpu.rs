@@ -2,6 +2,8 @@
 
 use crate::float::Float;
 use candle_core::{bail, CpuStorage, Layout, Result, Storage, Tensor};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// The highest level [`isa_level`] knows (AVX-512F): the kernels ask for it, tests for lower ones.
 pub(crate) const BEST_ISA: u8 = 2;
@@ -51,5 +53,89 @@ pub(crate) fn rows_cols(dims: &[usize]) -> Result<(usize, usize)> {
     match dims.split_last() {
         Some((&n, rest)) => Ok((rest.iter().product(), n)),
         None => bail!("difftx-kernels: expected a tensor of rank >= 1, got a scalar"),
+    }
+}
+
+/// Elements per task of [`zeros`]' parallel fill.
+const ZERO_CHUNK: usize = 1 << 15;
+
+/// `vec![T::ZERO; n]` with the zero fill split over the pool. A zeroed allocation is filled by
+/// the allocator on the calling thread before the op's parallel part starts; the kernels' own
+/// outputs filled that way were ~5% of a bench-s training step's samples (docs/design.md §7.15).
+/// For outputs that a kernel writes whole, [`par_output`] avoids the separate pass.
+pub(crate) fn zeros<T: Float>(n: usize) -> Vec<T> {
+    par_output(n, ZERO_CHUNK, |_, _| {})
+}
+
+/// A kernel's output of `n` values, written on the pool chunk by chunk: `write(i, c)` gets
+/// chunk `i` (`chunk` values, the last one shorter), zero-filled inside its own task just
+/// before, so that the output is not filled by a separate pass over memory first (its fill
+/// stays in the cache of the thread that writes it).
+pub(crate) fn par_output<T: Float>(n: usize, chunk: usize, write: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    v.spare_capacity_mut()[..n].par_chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| write(i, zeroed(c)));
+    // SAFETY: every chunk of the n values went through `zeroed`, which initialised it.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// Two outputs of `n` values each, chunked alike (a backward's two gradients); see [`par_output`].
+pub(crate) fn par_output2<T: Float>(
+    n: usize,
+    chunk: usize,
+    write: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+) -> (Vec<T>, Vec<T>) {
+    let (mut a, mut b) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let chunk = chunk.max(1);
+    let (ua, ub) = (&mut a.spare_capacity_mut()[..n], &mut b.spare_capacity_mut()[..n]);
+    ua.par_chunks_mut(chunk).zip(ub.par_chunks_mut(chunk)).enumerate().for_each(|(i, (ca, cb))| {
+        write(i, zeroed(ca), zeroed(cb));
+    });
+    // SAFETY: both buffers are cut into the same number of chunks, so the zip visits every
+    // chunk of each, and every chunk went through `zeroed`.
+    unsafe {
+        a.set_len(n);
+        b.set_len(n);
+    }
+    (a, b)
+}
+
+/// Fills `c` with zeros and returns it as initialised values.
+fn zeroed<T: Float>(c: &mut [MaybeUninit<T>]) -> &mut [T] {
+    c.fill(MaybeUninit::new(T::ZERO));
+    // SAFETY: every element was just written; MaybeUninit<T> has T's layout.
+    unsafe { &mut *(c as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every chunk is handed out once, zero-filled, with its index and length (the last one
+    /// shorter); nothing is left unwritten, at lengths around the chunk size and zero.
+    #[test]
+    fn par_output_hands_out_every_chunk_zeroed() {
+        for (n, chunk) in [(0, 4), (1, 4), (4, 4), (5, 4), (1000, 7), (100_003, 1024)] {
+            let v: Vec<f64> = par_output(n, chunk, |i, c| {
+                assert!(c.iter().all(|&x| x == 0.0), "chunk {i} not zeroed");
+                assert_eq!(c.len(), chunk.min(n - i * chunk), "chunk {i} length");
+                for (j, x) in c.iter_mut().enumerate() {
+                    *x = (i * chunk + j) as f64;
+                }
+            });
+            assert_eq!(v, (0..n).map(|i| i as f64).collect::<Vec<_>>(), "n {n} chunk {chunk}");
+            let (a, b): (Vec<f32>, Vec<f32>) = par_output2(n, chunk, |i, a, b| {
+                assert!(a.iter().chain(b.iter()).all(|&x| x == 0.0), "chunk {i} not zeroed");
+                assert_eq!(a.len(), b.len());
+                for (j, (x, y)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+                    (*x, *y) = ((i * chunk + j) as f32, -((i * chunk + j) as f32));
+                }
+            });
+            assert_eq!(a, (0..n).map(|i| i as f32).collect::<Vec<_>>());
+            assert_eq!(b, (0..n).map(|i| -(i as f32)).collect::<Vec<_>>());
+        }
+        for n in [0, 1, ZERO_CHUNK + 3] {
+            assert_eq!(zeros::<f32>(n), vec![0.0; n]);
+        }
     }
 }

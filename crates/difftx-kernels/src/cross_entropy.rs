@@ -9,7 +9,7 @@
 //! on the thread count. The backward recomputes each row's softmax (one exp per element) rather
 //! than keeping a [rows, vocab] probability tensor alive between the passes.
 
-use crate::cpu::{min_rows, storage_slice, with_slice};
+use crate::cpu::{min_rows, storage_slice, with_slice, zeros};
 use crate::float::{max_slice, sum_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -96,7 +96,7 @@ fn bwd_typed<T: Float>(logits: &Tensor, targets: &Tensor, grad: &Tensor) -> Resu
     let scale = g / T::from_f64(rows as f64);
     let targets = targets.to_vec1::<u32>()?;
     let dx = with_slice::<T, _>(logits, |x| {
-        let mut dx = vec![T::ZERO; x.len()];
+        let mut dx = zeros::<T>(x.len());
         cross_entropy_bwd(x, &targets, vocab, scale, &mut dx);
         Ok(dx)
     })?;

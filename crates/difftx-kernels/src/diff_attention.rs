@@ -42,7 +42,7 @@
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
 
-use crate::cpu::{storage_slice, with_slice};
+use crate::cpu::{storage_slice, with_slice, zeros};
 use crate::diff_combine::DiffCombinePairs;
 use crate::flash::{flash_bwd, flash_fwd, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
@@ -225,7 +225,7 @@ impl DiffAttn {
     fn values<'a, T: Float>(&self, v: &'a [T]) -> Cow<'a, [T]> {
         match self.maps {
             Maps::V1(_) => {
-                let mut v2 = vec![T::ZERO; 2 * v.len()];
+                let mut v2 = zeros::<T>(2 * v.len());
                 self.pair_values().fwd(v, &mut v2);
                 Cow::Owned(v2)
             }
@@ -249,8 +249,8 @@ impl DiffAttn {
     /// Every head's output and log-sum-exp.
     fn attend<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<T>) {
         let d = &self.d;
-        let mut o = vec![T::ZERO; d.b * d.hq * d.t * d.dv];
-        let mut lse = vec![T::ZERO; d.b * d.hq * d.t];
+        let mut o = zeros::<T>(d.b * d.hq * d.t * d.dv);
+        let mut lse = zeros::<T>(d.b * d.hq * d.t);
         flash_fwd(d, self.scale, self.q_offset, q, k, &self.values(v), &mut o, &mut lse);
         (o, lse)
     }
@@ -467,22 +467,19 @@ impl DiffAttn {
     ) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
         let d = &self.d;
         let w = d.dv;
-        let mut dq = vec![T::ZERO; q.len()];
-        let mut dk = vec![T::ZERO; k.len()];
-        let mut dv = vec![T::ZERO; v.len()];
-        // Touch dq's fresh pages here: their first-touch faults inside the parallel tasks made
-        // them half again as slow (one bench-s layer, system allocator).
-        dq.fill(T::ZERO);
+        let mut dq = zeros::<T>(q.len());
+        let mut dk = zeros::<T>(k.len());
+        let mut dv = zeros::<T>(v.len());
         let combine = self.combine();
-        let mut dl = vec![T::ZERO; lambda.len()];
+        let mut dl = zeros::<T>(lambda.len());
         let values = self.values(v);
         if !shared {
             // the combination's backward: every head's output gradient and dλ = −Σ dz ∘ o_b
-            let mut dout = vec![T::ZERO; o.len()];
+            let mut dout = zeros::<T>(o.len());
             combine.bwd(o, lambda, dz, &mut dout, &mut dl);
             match self.maps {
                 Maps::V1(_) => {
-                    let mut dv2 = vec![T::ZERO; values.len()];
+                    let mut dv2 = zeros::<T>(values.len());
                     flash_bwd(d, self.scale, self.q_offset, q, k, &values, o, &dout, lse, &mut dq, &mut dk, &mut dv2);
                     self.pair_values().bwd(&dv2, &mut dv);
                 }
@@ -493,7 +490,7 @@ impl DiffAttn {
         // dλ, and delta per query head and position, rowsum(dout_h ∘ o_h) with dout being dz for
         // heads a and −λ·dz for heads b, without forming dout: [B, Hq, T] is [outer, 2, inner/w]
         // like the outputs
-        let mut delta = vec![T::ZERO; d.b * d.hq * d.t];
+        let mut delta = zeros::<T>(d.b * d.hq * d.t);
         combine.bwd_row_sums(o, lambda, dz, w, &mut delta, &mut dl);
         let x = BwdIn {
             d: *d,
@@ -558,7 +555,7 @@ fn fwd_typed<T: Float>(
     let (q, k, vl) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
     let (v, lambda) = vl.split_at(op.value_len());
     let (o, lse) = op.attend(q, k, v);
-    let mut z = vec![T::ZERO; o.len() / 2];
+    let mut z = zeros::<T>(o.len() / 2);
     op.combine().fwd(&o, lambda, &mut z);
     *op.saved.lock().unwrap() = Some((T::to_cpu_storage_owned(o), T::to_cpu_storage_owned(lse)));
     Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[d.b, d.hq / 2, d.t, d.dv])))

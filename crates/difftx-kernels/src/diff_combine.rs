@@ -4,7 +4,7 @@
 //! Layout: `o1`, `o2`, `z` are row-major of one shape (any rank); `lambda` has one element.
 //! Backward: do1 = dz,  do2 = -λ·dz,  dλ = -Σ dz·o2 (summed in fixed chunks, in order).
 
-use crate::cpu::{storage_slice, with_slice};
+use crate::cpu::{storage_slice, with_slice, zeros};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -80,7 +80,7 @@ fn fwd_typed<T: Float>(
     l3: &Layout,
 ) -> Result<(CpuStorage, Shape)> {
     let (a, b, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
-    let mut z = vec![T::ZERO; a.len()];
+    let mut z = zeros::<T>(a.len());
     diff_combine_fwd(a, b, lam[0], &mut z);
     Ok((T::to_cpu_storage_owned(z), l1.shape().clone()))
 }
@@ -89,7 +89,7 @@ fn bwd_typed<T: Float>(o2: &Tensor, lambda: &Tensor, dz: &Tensor) -> Result<(Ten
     let lam = with_slice::<T, _>(lambda, |l| Ok(l[0]))?;
     let (do2, dl) = with_slice::<T, _>(o2, |b| {
         with_slice::<T, _>(dz, |g| {
-            let mut do2 = vec![T::ZERO; b.len()];
+            let mut do2 = zeros::<T>(b.len());
             let dl = diff_combine_bwd(b, lam, g, &mut do2);
             Ok((do2, dl))
         })
@@ -308,7 +308,7 @@ impl CustomOp2 for DiffCombinePairs {
             l2: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
             let (x, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
-            let mut z = vec![T::ZERO; op.outer * op.inner];
+            let mut z = zeros::<T>(op.outer * op.inner);
             op.fwd(x, lam, &mut z);
             Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[op.outer * op.inner])))
         }
@@ -335,8 +335,8 @@ impl CustomOp2 for DiffCombinePairs {
             let (dx, dl) = with_slice::<T, _>(lambda, |lam| {
                 with_slice::<T, _>(x, |xs| {
                     with_slice::<T, _>(dz, |g| {
-                        let mut dx = vec![T::ZERO; xs.len()];
-                        let mut dl = vec![T::ZERO; lam.len()];
+                        let mut dx = zeros::<T>(xs.len());
+                        let mut dl = zeros::<T>(lam.len());
                         op.bwd(xs, lam, g, &mut dx, &mut dl);
                         Ok((dx, dl))
                     })

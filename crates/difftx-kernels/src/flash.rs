@@ -40,7 +40,7 @@
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
 
-use crate::cpu::{storage_slice, BEST_ISA};
+use crate::cpu::{storage_slice, zeros, BEST_ISA};
 use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -794,7 +794,7 @@ fn flash_bwd_at<T: Float>(
         return;
     }
     // delta = rowsum(dout * out)
-    let mut delta = vec![T::ZERO; d.b * d.hq * d.t];
+    let mut delta = zeros::<T>(d.b * d.hq * d.t);
     delta
         .par_iter_mut()
         .zip(out.par_chunks(d.dv).zip(dout.par_chunks(d.dv)))
@@ -989,8 +989,8 @@ fn fwd_typed<T: Float>(
 ) -> Result<(CpuStorage, Shape)> {
     let d = dims_of(l1.dims(), l2.dims(), l3.dims())?;
     let (q, k, v) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
-    let mut out = vec![T::ZERO; d.b * d.hq * d.t * d.dv];
-    let mut lse = vec![T::ZERO; d.b * d.hq * d.t];
+    let mut out = zeros::<T>(d.b * d.hq * d.t * d.dv);
+    let mut lse = zeros::<T>(d.b * d.hq * d.t);
     flash_fwd(&d, op.scale, op.q_offset, q, k, v, &mut out, &mut lse);
     *op.lse.lock().unwrap() = Some(T::to_cpu_storage_owned(lse));
     Ok((T::to_cpu_storage_owned(out), Shape::from_dims(&[d.b, d.hq, d.t, d.dv])))
@@ -1006,9 +1006,9 @@ fn bwd_typed<T: Float>(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     use crate::cpu::with_slice;
     let d = dims_of(q.dims(), k.dims(), v.dims())?;
-    let mut dq = vec![T::ZERO; q.elem_count()];
-    let mut dk = vec![T::ZERO; k.elem_count()];
-    let mut dv = vec![T::ZERO; v.elem_count()];
+    let mut dq = zeros::<T>(q.elem_count());
+    let mut dk = zeros::<T>(k.elem_count());
+    let mut dv = zeros::<T>(v.elem_count());
     let saved = op.lse.lock().unwrap().take();
     with_slice::<T, _>(q, |qs| {
         with_slice::<T, _>(k, |ks| {
@@ -1019,8 +1019,8 @@ fn bwd_typed<T: Float>(
                         let lse: &[T] = match &saved {
                             Some(st) => st.as_slice::<T>()?,
                             None => {
-                                let mut o2 = vec![T::ZERO; os.len()];
-                                let mut l = vec![T::ZERO; d.b * d.hq * d.t];
+                                let mut o2 = zeros::<T>(os.len());
+                                let mut l = zeros::<T>(d.b * d.hq * d.t);
                                 flash_fwd(&d, op.scale, op.q_offset, qs, ks, vs, &mut o2, &mut l);
                                 recomputed = l;
                                 &recomputed

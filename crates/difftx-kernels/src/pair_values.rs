@@ -9,7 +9,7 @@
 //! a concatenation and a broadcast (and the zero padding, concatenation and reduction of their
 //! backward) ran as several single-threaded strided passes in candle (docs/design.md §5, §7.11).
 
-use crate::cpu::{storage_slice, with_slice};
+use crate::cpu::{storage_slice, with_slice, zeros};
 use crate::float::Float;
 use crate::PairLayout;
 use candle_core::backend::BackendStorage;
@@ -93,7 +93,7 @@ impl CustomOp1 for PairValues {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> Result<(CpuStorage, Shape)> {
         fn typed<T: Float>(op: &PairValues, s1: &CpuStorage, l1: &Layout) -> Result<(CpuStorage, Shape)> {
             let v = storage_slice::<T>(s1, l1)?;
-            let mut out = vec![T::ZERO; 2 * v.len()];
+            let mut out = zeros::<T>(2 * v.len());
             op.fwd(v, &mut out);
             Ok((T::to_cpu_storage_owned(out), Shape::from_dims(&[op.b, op.h, op.s, 2 * op.d])))
         }
@@ -107,7 +107,7 @@ impl CustomOp1 for PairValues {
     fn bwd(&self, v: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         fn typed<T: Float>(op: &PairValues, v: &Tensor, dout: &Tensor) -> Result<Tensor> {
             let dv = with_slice::<T, _>(dout, |g| {
-                let mut dv = vec![T::ZERO; g.len() / 2];
+                let mut dv = zeros::<T>(g.len() / 2);
                 op.bwd(g, &mut dv);
                 Ok(dv)
             })?;

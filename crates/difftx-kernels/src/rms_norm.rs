@@ -5,7 +5,7 @@
 //! Forward:  r = 1 / sqrt(mean(x^2) + eps),  u = x * r,  y = u * gain
 //! Backward: gg = dy * gain,  dx = r * (gg - u * mean(gg * u)),  dgain = sum_rows(dy * u)
 
-use crate::cpu::{min_rows, rows_cols, storage_slice, with_slice};
+use crate::cpu::{min_rows, par_output, rows_cols, storage_slice, with_slice, zeros};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -71,20 +71,38 @@ pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n
     }
     let eps = T::from_f64(eps);
     y.par_chunks_mut(n).zip(x.par_chunks(n)).with_min_len(min_rows(n, 8192)).for_each(|(yr, xr)| {
-        let r = inv_rms(xr, eps);
-        match gain {
-            Some(g) => {
-                for ((o, &v), &gv) in yr.iter_mut().zip(xr).zip(g) {
-                    *o = v * r * gv;
-                }
-            }
-            None => {
-                for (o, &v) in yr.iter_mut().zip(xr) {
-                    *o = v * r;
-                }
+        norm_row(xr, gain, eps, yr);
+    });
+}
+
+/// The forward into a new buffer, written on the pool (see [`par_output`]).
+fn rms_norm_fwd_new<T: Float>(x: &[T], gain: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let (eps, rows) = (T::from_f64(eps), min_rows(n, 8192));
+    par_output(x.len(), rows * n, |i, y| {
+        for (yr, xr) in y.chunks_mut(n).zip(x[i * rows * n..].chunks(n)) {
+            norm_row(xr, gain, eps, yr);
+        }
+    })
+}
+
+#[inline(always)]
+fn norm_row<T: Float>(xr: &[T], gain: Option<&[T]>, eps: T, yr: &mut [T]) {
+    let r = inv_rms(xr, eps);
+    match gain {
+        Some(g) => {
+            for ((o, &v), &gv) in yr.iter_mut().zip(xr).zip(g) {
+                *o = v * r * gv;
             }
         }
-    });
+        None => {
+            for (o, &v) in yr.iter_mut().zip(xr) {
+                *o = v * r;
+            }
+        }
+    }
 }
 
 /// Backward kernel: writes `dx` and returns `dgain` (summed over rows) when `gain` is given.
@@ -168,8 +186,7 @@ fn fwd_typed<T: Float>(
         Some((gs, gl)) => Some(storage_slice::<T>(gs, gl)?),
         None => None,
     };
-    let mut y = vec![T::ZERO; x.len()];
-    rms_norm_fwd(x, gain, &mut y, n, eps);
+    let y = rms_norm_fwd_new(x, gain, n, eps);
     Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
 }
 
@@ -178,7 +195,7 @@ fn bwd_typed<T: Float>(x: &Tensor, gain: Option<&Tensor>, grad: &Tensor, eps: f6
     let run = |g: Option<&[T]>| -> Result<(Vec<T>, Option<Vec<T>>)> {
         with_slice::<T, _>(x, |xs| {
             with_slice::<T, _>(grad, |gr| {
-                let mut dx = vec![T::ZERO; xs.len()];
+                let mut dx = zeros::<T>(xs.len());
                 let dg = rms_norm_bwd(xs, g, gr, &mut dx, n, eps);
                 Ok((dx, dg))
             })
@@ -247,5 +264,25 @@ impl CustomOp2 for RmsNorm {
             dt => bail!("difftx-rms-norm: unsupported dtype {dt:?}"),
         };
         Ok((Some(dx), dg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The op's forward (its own buffer, chunks of rows) gives the decoder's kernel's bits, with
+    /// and without a gain, on row counts that do not fill the last chunk.
+    #[test]
+    fn new_buffer_forward_equals_the_kernel() {
+        for (rows, n) in [(1, 5), (37, 256), (100, 7), (3, 8192)] {
+            let x: Vec<f32> = (0..rows * n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let g: Vec<f32> = (0..n).map(|i| 1.0 + (i as f32 * 0.11).cos()).collect();
+            for gain in [None, Some(&g[..])] {
+                let mut want = vec![0.0; x.len()];
+                rms_norm_fwd(&x, gain, &mut want, n, 1e-6);
+                assert_eq!(rms_norm_fwd_new(&x, gain, n, 1e-6), want, "rows {rows} n {n}");
+            }
+        }
     }
 }

@@ -6,7 +6,7 @@
 //!   y_a = x_a·cos θ - x_b·sin θ,   y_b = x_a·sin θ + x_b·cos θ     (θ = θ[t + offset, i])
 //! The backward is the rotation by -θ (the same kernel with sin negated): the map is orthogonal.
 
-use crate::cpu::{min_rows, storage_slice, with_slice};
+use crate::cpu::{min_rows, par_output, storage_slice, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -62,47 +62,78 @@ pub(crate) fn rope_kernel<T: Float>(
     inverse: bool,
 ) {
     let (_, t, h, d) = dims;
-    let half = d / 2;
     if d == 0 || t == 0 || h == 0 {
         return;
     }
     let row = h * d; // one (b, t) position
-    y.par_chunks_mut(row).zip(x.par_chunks(row)).enumerate().with_min_len(min_rows(row, 8192)).for_each(
-        |(bt, (yr, xr))| {
-            let tt = bt % t;
-            let c = &cos[tt * half..(tt + 1) * half];
-            let s = &sin[tt * half..(tt + 1) * half];
-            for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
-                if interleaved {
-                    for i in 0..half {
-                        let (a, b) = (xh[2 * i], xh[2 * i + 1]);
-                        let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-                        yh[2 * i] = a * c[i] - b * sn;
-                        yh[2 * i + 1] = a * sn + b * c[i];
-                    }
-                } else {
-                    let (ya, yb) = yh.split_at_mut(half);
-                    let (xa, xb) = xh.split_at(half);
-                    for i in 0..half {
-                        let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-                        ya[i] = xa[i] * c[i] - xb[i] * sn;
-                        yb[i] = xa[i] * sn + xb[i] * c[i];
-                    }
-                }
+    y.par_chunks_mut(row)
+        .zip(x.par_chunks(row))
+        .enumerate()
+        .with_min_len(min_rows(row, 8192))
+        .for_each(|(bt, (yr, xr))| rotate_position(xr, yr, (cos, sin), bt % t, d, interleaved, inverse));
+}
+
+/// `rope_kernel` into a new buffer, written on the pool (see [`par_output`]).
+fn rope_new<T: Float>(
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    dims: (usize, usize, usize, usize),
+    interleaved: bool,
+    inverse: bool,
+) -> Vec<T> {
+    let (_, t, h, d) = dims;
+    if d == 0 || t == 0 || h == 0 {
+        return vec![T::ZERO; x.len()];
+    }
+    let row = h * d;
+    let rows = min_rows(row, 8192);
+    par_output(x.len(), rows * row, |i, y| {
+        for (j, (yr, xr)) in y.chunks_mut(row).zip(x[i * rows * row..].chunks(row)).enumerate() {
+            rotate_position(xr, yr, (cos, sin), (i * rows + j) % t, d, interleaved, inverse);
+        }
+    })
+}
+
+/// One (b, t) position's heads `xr` rotated into `yr` by the angles of table row `tt`.
+#[inline(always)]
+fn rotate_position<T: Float>(
+    xr: &[T],
+    yr: &mut [T],
+    tables: (&[T], &[T]),
+    tt: usize,
+    d: usize,
+    interleaved: bool,
+    inverse: bool,
+) {
+    let half = d / 2;
+    let c = &tables.0[tt * half..(tt + 1) * half];
+    let s = &tables.1[tt * half..(tt + 1) * half];
+    for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
+        if interleaved {
+            for i in 0..half {
+                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
+                let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+                yh[2 * i] = a * c[i] - b * sn;
+                yh[2 * i + 1] = a * sn + b * c[i];
             }
-        },
-    );
+        } else {
+            let (ya, yb) = yh.split_at_mut(half);
+            let (xa, xb) = xh.split_at(half);
+            for i in 0..half {
+                let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+                ya[i] = xa[i] * c[i] - xb[i] * sn;
+                yb[i] = xa[i] * sn + xb[i] * c[i];
+            }
+        }
+    }
 }
 
 fn fwd_typed<T: Float>(op: &Rope, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
     let x = storage_slice::<T>(s, l)?;
     let dims = l.shape().dims4()?;
-    let mut y = vec![T::ZERO; x.len()];
-    with_slice::<T, _>(&op.cos, |c| {
-        with_slice::<T, _>(&op.sin, |sn| {
-            rope_kernel(x, &mut y, c, sn, dims, op.interleaved, op.inverse);
-            Ok(())
-        })
+    let y = with_slice::<T, _>(&op.cos, |c| {
+        with_slice::<T, _>(&op.sin, |sn| Ok(rope_new(x, c, sn, dims, op.interleaved, op.inverse)))
     })?;
     Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
 }
@@ -129,5 +160,27 @@ impl CustomOp1 for Rope {
         };
         let g = grad_res.to_dtype(arg.dtype())?.contiguous()?;
         Ok(Some(g.apply_op1_no_bwd(&inv)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The op's forward (its own buffer, chunks of positions) gives the decoder's kernel's bits,
+    /// both pairings and directions, on position counts that do not fill the last chunk.
+    #[test]
+    fn new_buffer_forward_equals_the_kernel() {
+        for (b, t, h, d) in [(1, 1, 1, 2), (2, 37, 3, 8), (3, 300, 8, 32), (1, 5, 2, 6)] {
+            let x: Vec<f64> = (0..b * t * h * d).map(|i| (i as f64 * 0.37).sin()).collect();
+            let cos: Vec<f64> = (0..t * d / 2).map(|i| (i as f64 * 0.1).cos()).collect();
+            let sin: Vec<f64> = (0..t * d / 2).map(|i| (i as f64 * 0.1).sin()).collect();
+            for (interleaved, inverse) in [(false, false), (true, false), (false, true), (true, true)] {
+                let mut want = vec![0.0; x.len()];
+                rope_kernel(&x, &mut want, &cos, &sin, (b, t, h, d), interleaved, inverse);
+                let got = rope_new(&x, &cos, &sin, (b, t, h, d), interleaved, inverse);
+                assert_eq!(got, want, "{:?} interleaved {interleaved} inverse {inverse}", (b, t, h, d));
+            }
+        }
     }
 }

@@ -4,7 +4,7 @@
 //! Forward:  y = exp(x - max(x)) / sum(exp(x - max(x)))
 //! Backward: dx = y * (dy - sum(dy * y))
 
-use crate::cpu::{min_rows, rows_cols, storage_slice, with_slice};
+use crate::cpu::{min_rows, rows_cols, storage_slice, with_slice, zeros};
 use crate::float::{max_slice, sum_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -65,7 +65,7 @@ pub(crate) fn softmax_bwd<T: Float>(y: &[T], dy: &[T], dx: &mut [T], n: usize) {
 fn fwd_typed<T: Float>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
     let x = storage_slice::<T>(s, l)?;
     let (_, n) = rows_cols(l.dims())?;
-    let mut y = vec![T::ZERO; x.len()];
+    let mut y = zeros::<T>(x.len());
     softmax_fwd(x, &mut y, n);
     Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
 }
@@ -74,7 +74,7 @@ fn bwd_typed<T: Float>(res: &Tensor, grad: &Tensor) -> Result<Tensor> {
     let (_, n) = rows_cols(res.dims())?;
     let dx = with_slice::<T, _>(res, |y| {
         with_slice::<T, _>(grad, |g| {
-            let mut dx = vec![T::ZERO; y.len()];
+            let mut dx = zeros::<T>(y.len());
             softmax_bwd(y, g, &mut dx, n);
             Ok(dx)
         })

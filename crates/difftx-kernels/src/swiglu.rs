@@ -5,11 +5,10 @@
 //!   h  = g·s·u
 //!   dg = dh·u·s·(1 + g·(1 - s)),   du = dh·g·s
 
-use crate::cpu::{storage_slice, with_slice, BEST_ISA};
+use crate::cpu::{par_output, par_output2, storage_slice, with_slice, BEST_ISA};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 const CHUNK: usize = 8192;
 
@@ -96,44 +95,41 @@ mod simd {
     }
 }
 
-pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
-    swiglu_fwd_at(BEST_ISA, g, u, h)
+/// `h = silu(g) ∘ u`, written on the pool in chunks of `CHUNK`.
+pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T]) -> Vec<T> {
+    swiglu_fwd_at(BEST_ISA, g, u)
 }
 
-fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T], h: &mut [T]) {
+fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T]) -> Vec<T> {
     let (chunk, _) = simd::pick::<T>(isa);
-    h.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(|(h, (g, u))| chunk(g, u, h));
+    par_output(g.len(), CHUNK, |i, h| {
+        let r = i * CHUNK..i * CHUNK + h.len();
+        chunk(&g[r.clone()], &u[r], h)
+    })
 }
 
-pub(crate) fn swiglu_bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
-    swiglu_bwd_at(BEST_ISA, g, u, dh, dg, du)
+/// `(dg, du)` from `dh`, written on the pool in chunks of `CHUNK`.
+pub(crate) fn swiglu_bwd<T: Float>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
+    swiglu_bwd_at(BEST_ISA, g, u, dh)
 }
 
-fn swiglu_bwd_at<T: Float>(isa: u8, g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+fn swiglu_bwd_at<T: Float>(isa: u8, g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
     let (_, chunk) = simd::pick::<T>(isa);
-    dg.par_chunks_mut(CHUNK)
-        .zip(du.par_chunks_mut(CHUNK))
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)).zip(dh.par_chunks(CHUNK)))
-        .for_each(|((dg, du), ((g, u), dh))| chunk(g, u, dh, dg, du));
+    par_output2(g.len(), CHUNK, |i, dg, du| {
+        let r = i * CHUNK..i * CHUNK + dg.len();
+        chunk(&g[r.clone()], &u[r.clone()], &dh[r], dg, du)
+    })
 }
 
 fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
     let (g, u) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
-    let mut h = vec![T::ZERO; g.len()];
-    swiglu_fwd(g, u, &mut h);
+    let h = swiglu_fwd(g, u);
     Ok((T::to_cpu_storage_owned(h), l1.shape().clone()))
 }
 
 fn bwd_typed<T: Float>(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Tensor, Tensor)> {
     let (dg, du) = with_slice::<T, _>(g, |gs| {
-        with_slice::<T, _>(u, |us| {
-            with_slice::<T, _>(dh, |ds| {
-                let mut dg = vec![T::ZERO; gs.len()];
-                let mut du = vec![T::ZERO; gs.len()];
-                swiglu_bwd(gs, us, ds, &mut dg, &mut du);
-                Ok((dg, du))
-            })
-        })
+        with_slice::<T, _>(u, |us| with_slice::<T, _>(dh, |ds| Ok(swiglu_bwd(gs, us, ds))))
     })?;
     Ok((Tensor::from_vec(dg, g.shape(), g.device())?, Tensor::from_vec(du, g.shape(), g.device())?))
 }
@@ -182,10 +178,8 @@ mod tests {
             let gen = |p: f64| -> Vec<T> { (0..n).map(|i| from((i as f64 * 0.37 + p).sin() * 9.0)).collect() };
             let (g, u, dh) = (gen(0.1), gen(0.2), gen(0.3));
             let run = |isa: u8| {
-                let mut h = vec![T::ZERO; n];
-                swiglu_fwd_at(isa, &g, &u, &mut h);
-                let (mut dg, mut du) = (vec![T::ZERO; n], vec![T::ZERO; n]);
-                swiglu_bwd_at(isa, &g, &u, &dh, &mut dg, &mut du);
+                let h = swiglu_fwd_at(isa, &g, &u);
+                let (dg, du) = swiglu_bwd_at(isa, &g, &u, &dh);
                 [h, dg, du]
             };
             let base = run(0);
