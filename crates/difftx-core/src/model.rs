@@ -168,6 +168,16 @@ impl Rope {
             }
         }
     }
+
+    /// Rotates x: [B, T, H, d] into the attention layout [B, H, T, d] (the fused kernel writes
+    /// it there directly; the composed ops transpose after rotating).
+    fn apply_to_heads(&self, x: &Tensor, offset: usize, kernels: Kernels) -> Result<Tensor> {
+        if kernels == Kernels::Fused {
+            let interleaved = self.style == RopeStyle::Interleaved;
+            return difftx_kernels::rope_to_heads(x, &self.cos, &self.sin, offset, interleaved);
+        }
+        self.apply(x, offset, kernels)?.transpose(1, 2)?.contiguous()
+    }
 }
 
 /// How a forward pass runs: kernels and the quantisation probes of the experiments.
@@ -249,7 +259,7 @@ fn linear(x: &Tensor, w: &Linear, opts: &RunOptions) -> Result<Tensor> {
     };
     match &w.quantized {
         Some(q) => q.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype()),
-        None => ops::linear_matmul(&x, &w.w, opts.precision),
+        None => ops::linear_matmul(&x, &w.w, opts.precision, opts.kernels),
     }
 }
 
@@ -439,7 +449,7 @@ impl Attention {
         }
         let out = self.combine(x, &heads, step)?; // [B, heads, T, width]
         let (_, n, _, width) = out.dims4()?;
-        let out = out.transpose(1, 2)?.reshape((step.batch * step.len, n * width))?;
+        let out = ops::swap_dims12(&out, step.opts.kernels)?.reshape((step.batch * step.len, n * width))?;
         linear(&out, &self.o_proj, step.opts)
     }
 
@@ -450,9 +460,9 @@ impl Attention {
         let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
         // [B, T, heads, d] -> [B, heads, T, d]
-        let q = step.rope.apply(&q, step.offset, opts.kernels)?.transpose(1, 2)?.contiguous()?;
-        let k = step.rope.apply(&k, step.offset, opts.kernels)?.transpose(1, 2)?.contiguous()?;
-        let v = v.transpose(1, 2)?.contiguous()?;
+        let q = step.rope.apply_to_heads(&q, step.offset, opts.kernels)?;
+        let k = step.rope.apply_to_heads(&k, step.offset, opts.kernels)?;
+        let v = ops::swap_dims12(&v, opts.kernels)?;
         let (k, v) = match cache {
             Some(c) => c.append(&k, &v)?,
             None => (k, v),

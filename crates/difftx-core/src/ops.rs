@@ -73,9 +73,14 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// x [N, in] times wᵀ (w [out, in]) at `precision`.
-pub fn linear_matmul(x: &Tensor, w: &Tensor, precision: Precision) -> Result<Tensor> {
+/// x [N, in] times wᵀ (w [out, in]) at `precision`. In f32 the fused kernel's backward writes
+/// the weight's gradient in w's layout (candle's product gets it as a transposed view and copies
+/// it); the composed product is the reference.
+pub fn linear_matmul(x: &Tensor, w: &Tensor, precision: Precision, kernels: Kernels) -> Result<Tensor> {
     match precision {
+        Precision::F32 if kernels == Kernels::Fused && matches!(x.dtype(), DType::F32 | DType::F64) => {
+            difftx_kernels::linear(x, w)
+        }
         Precision::F32 => x.matmul(&w.t()?),
         Precision::Bf16 => difftx_kernels::matmul_bf16(x, &w.t()?),
         Precision::Bf16Emulated => difftx_kernels::matmul_bf16_emulated(x, &w.t()?),
@@ -108,6 +113,15 @@ pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64, kernels: Kernels) -
                 None => Ok(y),
             }
         }
+    }
+}
+
+/// x [B, N1, N2, d] -> [B, N2, N1, d], contiguous (the projections' [B, T, heads, d] and the
+/// attention kernels' [B, heads, T, d]); the kernel is one parallel copy each way.
+pub fn swap_dims12(x: &Tensor, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Fused => difftx_kernels::swap_dims12(x),
+        Kernels::Reference => x.transpose(1, 2)?.contiguous(),
     }
 }
 

@@ -12,6 +12,9 @@
 //! * [`rope`]: rotary position embedding (interleaved or rotate-half pairs); backward = rotation
 //!   by -θ.
 //! * [`swiglu`]: silu(gate) · up, the SwiGLU gate.
+//! * [`linear`]: `x·wᵀ`, its backward writing the weight's gradient in the weight's layout.
+//! * [`swap_dims12`]: `[B, T, H, d]` ↔ `[B, H, T, d]` as one parallel copy; [`rope_to_heads`]
+//!   RoPE written straight into `[B, H, T, d]`.
 //! * [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, loss and gradient in
 //!   one pass each.
 //! * [`diff_combine`]: diff-v1's o1 - λ·o2 with a scalar λ; [`diff_combine_pairs`] the same read
@@ -44,6 +47,8 @@ mod diff_attention;
 mod diff_combine;
 mod flash;
 mod float;
+mod heads;
+mod linear;
 mod pair_values;
 pub mod profile;
 mod rms_norm;
@@ -57,8 +62,10 @@ pub use cross_entropy::cross_entropy;
 pub use diff_attention::{diff_attention, diff_v2_attention};
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};
 pub use flash::flash_attention;
+pub use heads::swap_dims12;
+pub use linear::linear;
 pub use pair_values::pair_values;
 pub use rms_norm::rms_norm;
-pub use rope::rope;
+pub use rope::{rope, rope_to_heads};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;

@@ -8,6 +8,7 @@
 
 use crate::cpu::{min_rows, par_output, storage_slice, with_slice};
 use crate::float::Float;
+use crate::heads::swapped_row;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -15,6 +16,17 @@ use rayon::prelude::*;
 /// RoPE of x: [B, T, H, d] at positions offset..offset+T from tables cos, sin: [L, d/2], with
 /// backward for x (the tables get no gradient). f32 and f64; tables in x's dtype.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool) -> Result<Tensor> {
+    rope_op(x, cos, sin, offset, interleaved, Order::Same)
+}
+
+/// [`rope`] with its output in the attention kernels' layout, `[B, H, T, d]`: the values of
+/// `rope(x, ..).transpose(1, 2).contiguous()`, written there directly instead of by a copy
+/// after the op (and the gradient read from there, instead of copied back before it).
+pub fn rope_to_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool) -> Result<Tensor> {
+    rope_op(x, cos, sin, offset, interleaved, Order::ToHeads)
+}
+
+fn rope_op(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool, order: Order) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 | DType::F64 => {}
         dt => bail!("difftx_kernels::rope: unsupported dtype {dt:?} (f32, f64 only)"),
@@ -38,8 +50,57 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: 
         sin: sin.narrow(0, offset, t)?.contiguous()?,
         interleaved,
         inverse: false,
+        order,
     };
     x.contiguous()?.apply_op1(op)
+}
+
+/// Where an op's output rows go: the input's order `[B, T, H, d]` (`Same`), or swapped between
+/// that and `[B, H, T, d]` (`ToHeads` takes `[B, T, H, d]`, `FromHeads` takes `[B, H, T, d]`).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Order {
+    Same,
+    ToHeads,
+    FromHeads,
+}
+
+impl Order {
+    /// The order of the backward's rows (the gradient goes the other way).
+    fn reversed(self) -> Self {
+        match self {
+            Order::Same => Order::Same,
+            Order::ToHeads => Order::FromHeads,
+            Order::FromHeads => Order::ToHeads,
+        }
+    }
+
+    /// `(b, t, h, d)` of an input of this order with dims `dims`.
+    fn b_t_h_d(self, dims: (usize, usize, usize, usize)) -> (usize, usize, usize, usize) {
+        let (b, x1, x2, d) = dims;
+        match self {
+            Order::Same | Order::ToHeads => (b, x1, x2, d),
+            Order::FromHeads => (b, x2, x1, d),
+        }
+    }
+
+    /// The input row and the position (row of the tables) of output row `r` (one head's `d`
+    /// values), for sizes `(t, h)`.
+    #[inline(always)]
+    fn source(self, r: usize, t: usize, h: usize) -> (usize, usize) {
+        match self {
+            Order::Same => (r, (r / h) % t),
+            // input [B, T, H]: the index along T is the first
+            Order::ToHeads => {
+                let (src, tt, _) = swapped_row(r, t, h);
+                (src, tt)
+            }
+            // input [B, H, T]: the index along T is the second
+            Order::FromHeads => {
+                let (src, _, tt) = swapped_row(r, h, t);
+                (src, tt)
+            }
+        }
+    }
 }
 
 struct Rope {
@@ -49,6 +110,7 @@ struct Rope {
     interleaved: bool,
     /// Rotate by -θ (the backward).
     inverse: bool,
+    order: Order,
 }
 
 /// The kernel: x, y [B, T, H, d]; cos, sin [T, half].
@@ -73,24 +135,25 @@ pub(crate) fn rope_kernel<T: Float>(
         .for_each(|(bt, (yr, xr))| rotate_position(xr, yr, (cos, sin), bt % t, d, interleaved, inverse));
 }
 
-/// `rope_kernel` into a new buffer, written on the pool (see [`par_output`]).
+/// `rope_kernel` into a new buffer, written on the pool (see [`par_output`]), its rows in
+/// `order`; `dims` are `(b, t, h, d)`.
 fn rope_new<T: Float>(
     x: &[T],
-    cos: &[T],
-    sin: &[T],
+    tables: (&[T], &[T]),
     dims: (usize, usize, usize, usize),
     interleaved: bool,
     inverse: bool,
+    order: Order,
 ) -> Vec<T> {
     let (_, t, h, d) = dims;
     if d == 0 || t == 0 || h == 0 {
         return vec![T::ZERO; x.len()];
     }
-    let row = h * d;
-    let rows = min_rows(row, 8192);
-    par_output(x.len(), rows * row, |i, y| {
-        for (j, (yr, xr)) in y.chunks_mut(row).zip(x[i * rows * row..].chunks(row)).enumerate() {
-            rotate_position(xr, yr, (cos, sin), (i * rows + j) % t, d, interleaved, inverse);
+    let rows = min_rows(d, 8192);
+    par_output(x.len(), rows * d, |i, y| {
+        for (j, yh) in y.chunks_mut(d).enumerate() {
+            let (src, tt) = order.source(i * rows + j, t, h);
+            rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
         }
     })
 }
@@ -106,36 +169,47 @@ fn rotate_position<T: Float>(
     interleaved: bool,
     inverse: bool,
 ) {
-    let half = d / 2;
+    for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
+        rotate_head(xh, yh, tables, tt, interleaved, inverse);
+    }
+}
+
+/// One head's `d` values `xh` rotated into `yh` by the angles of table row `tt`.
+#[inline(always)]
+fn rotate_head<T: Float>(xh: &[T], yh: &mut [T], tables: (&[T], &[T]), tt: usize, interleaved: bool, inverse: bool) {
+    let half = xh.len() / 2;
     let c = &tables.0[tt * half..(tt + 1) * half];
     let s = &tables.1[tt * half..(tt + 1) * half];
-    for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
-        if interleaved {
-            for i in 0..half {
-                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
-                let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-                yh[2 * i] = a * c[i] - b * sn;
-                yh[2 * i + 1] = a * sn + b * c[i];
-            }
-        } else {
-            let (ya, yb) = yh.split_at_mut(half);
-            let (xa, xb) = xh.split_at(half);
-            for i in 0..half {
-                let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-                ya[i] = xa[i] * c[i] - xb[i] * sn;
-                yb[i] = xa[i] * sn + xb[i] * c[i];
-            }
+    if interleaved {
+        for i in 0..half {
+            let (a, b) = (xh[2 * i], xh[2 * i + 1]);
+            let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+            yh[2 * i] = a * c[i] - b * sn;
+            yh[2 * i + 1] = a * sn + b * c[i];
+        }
+    } else {
+        let (ya, yb) = yh.split_at_mut(half);
+        let (xa, xb) = xh.split_at(half);
+        for i in 0..half {
+            let sn = if inverse { T::ZERO - s[i] } else { s[i] };
+            ya[i] = xa[i] * c[i] - xb[i] * sn;
+            yb[i] = xa[i] * sn + xb[i] * c[i];
         }
     }
 }
 
 fn fwd_typed<T: Float>(op: &Rope, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
     let x = storage_slice::<T>(s, l)?;
-    let dims = l.shape().dims4()?;
+    let dims = op.order.b_t_h_d(l.shape().dims4()?);
     let y = with_slice::<T, _>(&op.cos, |c| {
-        with_slice::<T, _>(&op.sin, |sn| Ok(rope_new(x, c, sn, dims, op.interleaved, op.inverse)))
+        with_slice::<T, _>(&op.sin, |sn| Ok(rope_new(x, (c, sn), dims, op.interleaved, op.inverse, op.order)))
     })?;
-    Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
+    let (b, t, h, d) = dims;
+    let shape = match op.order {
+        Order::Same | Order::FromHeads => Shape::from_dims(&[b, t, h, d]),
+        Order::ToHeads => Shape::from_dims(&[b, h, t, d]),
+    };
+    Ok((T::to_cpu_storage_owned(y), shape))
 }
 
 impl CustomOp1 for Rope {
@@ -157,6 +231,7 @@ impl CustomOp1 for Rope {
             sin: self.sin.clone(),
             interleaved: self.interleaved,
             inverse: !self.inverse,
+            order: self.order.reversed(),
         };
         let g = grad_res.to_dtype(arg.dtype())?.contiguous()?;
         Ok(Some(g.apply_op1_no_bwd(&inv)?))
@@ -178,7 +253,7 @@ mod tests {
             for (interleaved, inverse) in [(false, false), (true, false), (false, true), (true, true)] {
                 let mut want = vec![0.0; x.len()];
                 rope_kernel(&x, &mut want, &cos, &sin, (b, t, h, d), interleaved, inverse);
-                let got = rope_new(&x, &cos, &sin, (b, t, h, d), interleaved, inverse);
+                let got = rope_new(&x, (&cos, &sin), (b, t, h, d), interleaved, inverse, Order::Same);
                 assert_eq!(got, want, "{:?} interleaved {interleaved} inverse {inverse}", (b, t, h, d));
             }
         }

@@ -96,3 +96,30 @@ fn bad_inputs_are_errors() {
     let x64 = x.to_dtype(DType::F64).unwrap();
     assert!(difftx_kernels::rope(&x64, &cos, &sin, 0, true).is_err(), "dtype mismatch");
 }
+
+/// `rope_to_heads` gives the bits of `rope` followed by the transpose to `[B, H, T, d]`, forward
+/// and backward (its backward writes the gradient back in `[B, T, H, d]` itself).
+#[test]
+fn to_heads_equals_rope_then_transpose() {
+    for dt in [DType::F32, DType::F64] {
+        for (si, &(b, t, h, d, off)) in SHAPES.iter().chain(&[(2, 300, 3, 8, 5)]).enumerate() {
+            for interleaved in [false, true] {
+                let (cos, sin) = tables(t + off + 2, d / 2, dt).unwrap();
+                let x = Var::from_tensor(&rand_t(&[b, t, h, d], si as u64, 1.0, dt).unwrap()).unwrap();
+                let w = rand_t(&[b, h, t, d], 100 + si as u64, 1.0, dt).unwrap();
+                let fused = difftx_kernels::rope_to_heads(x.as_tensor(), &cos, &sin, off, interleaved).unwrap();
+                let composed = difftx_kernels::rope(x.as_tensor(), &cos, &sin, off, interleaved)
+                    .and_then(|y| y.transpose(1, 2)?.contiguous())
+                    .unwrap();
+                let what = format!("{dt:?} {:?} interleaved={interleaved}", (b, t, h, d, off));
+                assert_eq!(fused.dims(), &[b, h, t, d], "{what}");
+                assert_eq!(flat(&fused), flat(&composed), "{what}: forward");
+                let gf = (&fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let gc = (&composed * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let (gf, gc) = (gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap());
+                assert_eq!(gf.dims(), &[b, t, h, d], "{what}");
+                assert_eq!(flat(gf), flat(gc), "{what}: backward");
+            }
+        }
+    }
+}

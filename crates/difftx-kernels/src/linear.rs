@@ -1,0 +1,153 @@
+//! The linear layers' product `y = x·wᵀ` (x `[N, in]`, w `[out, in]`, y `[N, out]`) with a
+//! backward that writes `dw` in w's own layout.
+//!
+//! candle's `x.matmul(&w.t())` gets the weight's gradient as `xᵀ·dy` (`[in, out]`) and then
+//! through the transpose's backward as a strided view of it, which its gradient store copies
+//! element by element into a contiguous `[out, in]` (~1.5% of a bench-s training step). Here
+//! `dw = dyᵀ·x` is one product into `[out, in]` (gemm reads the transposed operand by strides)
+//! and `dx = dy·w` the other; the forward is the same gemm product candle runs.
+
+use crate::cpu::storage_slice;
+use crate::float::Float;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+/// `x·wᵀ` for x `[.., in]` and w `[out, in]`: `[.., out]`, with backward for both. f32 and f64.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F32 | DType::F64 => {}
+        dt => bail!("difftx_kernels::linear: unsupported dtype {dt:?} (f32, f64 only)"),
+    }
+    if w.dtype() != x.dtype() {
+        bail!("difftx_kernels::linear: x is {:?} but w is {:?}", x.dtype(), w.dtype());
+    }
+    let (out, inp) = w.dims2()?;
+    let dims = x.dims();
+    match dims.last() {
+        Some(&n) if dims.len() >= 2 && n == inp => {}
+        _ => {
+            bail!("difftx_kernels::linear: x {dims:?} does not end in the weight's input size {inp} (w [{out}, {inp}])")
+        }
+    }
+    let rows = x.elem_count() / inp.max(1);
+    let mut y_dims = dims.to_vec();
+    *y_dims.last_mut().expect("rank >= 2") = out;
+    x.contiguous()?.reshape((rows, inp))?.apply_op2(&w.contiguous()?, Linear)?.reshape(y_dims)
+}
+
+struct Linear;
+
+/// `y = x·wᵀ`: x `[m, k]`, w `[n, k]`, y `[m, n]`, on the pool.
+fn forward<T: Float>(x: &[T], w: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
+    let mut y: Vec<T> = Vec::with_capacity(m * n);
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    if m > 0 && n > 0 {
+        // SAFETY: x holds m·k values, w n·k and y's buffer m·n (asserted by the caller's
+        // shapes); with `read_dst` false gemm writes every element of y (k = 0 included: zeros;
+        // vendor/README.md lists its paths), so the length is set after it.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                y.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                T::ZERO,
+                T::ONE,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+            y.set_len(m * n);
+        }
+    }
+    y
+}
+
+fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    let (x, w) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
+    let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
+    if k != k2 || x.len() != m * k || w.len() != n * k {
+        bail!("difftx-linear: x {:?} and w {:?} do not fit", l1.dims(), l2.dims());
+    }
+    Ok((T::to_cpu_storage_owned(forward(x, w, m, n, k)), Shape::from_dims(&[m, n])))
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "difftx-linear"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        match s1.dtype() {
+            DType::F32 => fwd_typed::<f32>(s1, l1, s2, l2),
+            DType::F64 => fwd_typed::<f64>(s1, l1, s2, l2),
+            dt => bail!("difftx-linear: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.to_dtype(x.dtype())?;
+        // dx = dy·w [m, k]; dw = dyᵀ·x [n, k], gemm reading dy transposed by its strides
+        let dx = dy.matmul(w)?;
+        let dw = dy.t()?.matmul(x)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Forward and both gradients equal candle's `x.matmul(&w.t())` (the same gemm products),
+    /// on awkward shapes including a leading batch axis and empty sizes; bad shapes are errors.
+    #[test]
+    fn equals_candle_matmul_forward_and_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        for dt in [DType::F32, DType::F64] {
+            for (lead, inp, out) in [(vec![1], 1, 1), (vec![37], 5, 7), (vec![3, 100], 64, 33), (vec![2048], 256, 704)]
+            {
+                let mut xd = lead.clone();
+                xd.push(inp);
+                let x = Var::from_tensor(&Tensor::randn(0f64, 1.0, xd.as_slice(), &dev)?.to_dtype(dt)?)?;
+                let w = Var::from_tensor(&Tensor::randn(0f64, 1.0, (out, inp), &dev)?.to_dtype(dt)?)?;
+                let ours = linear(x.as_tensor(), w.as_tensor())?;
+                let theirs = x.as_tensor().broadcast_matmul(&w.as_tensor().t()?)?;
+                let flat = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+                assert_eq!(ours.dims(), theirs.dims());
+                let close = |a: Vec<f64>, b: Vec<f64>, what: &str| {
+                    let scale = b.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                    let diff = a.iter().zip(&b).fold(0f64, |m, (p, q)| m.max((p - q).abs()));
+                    let tol = if dt == DType::F32 { 1e-5 } else { 1e-13 };
+                    assert!(diff <= tol * scale, "{dt:?} {lead:?} {inp} {out} {what}: {diff} of {scale}");
+                };
+                close(flat(&ours)?, flat(&theirs)?, "forward");
+                let wy = Tensor::randn(0f64, 1.0, ours.dims(), &dev)?.to_dtype(dt)?;
+                let go = (&ours * &wy)?.sum_all()?.backward()?;
+                let gt = (&theirs * &wy)?.sum_all()?.backward()?;
+                for (name, v) in [("dx", x.as_tensor()), ("dw", w.as_tensor())] {
+                    let (a, b) = (go.get(v).unwrap(), gt.get(v).unwrap());
+                    assert_eq!(a.dims(), b.dims(), "{name}");
+                    assert!(a.is_contiguous(), "{name} contiguous");
+                    close(flat(a)?, flat(b)?, name);
+                }
+            }
+        }
+        let x = Tensor::zeros((4, 3), DType::F32, &dev)?;
+        assert!(linear(&x, &Tensor::zeros((2, 5), DType::F32, &dev)?).is_err(), "input size");
+        assert!(linear(&x.flatten_all()?, &Tensor::zeros((2, 3), DType::F32, &dev)?).is_err(), "rank 1");
+        assert!(linear(&x, &Tensor::zeros((2, 3), DType::F64, &dev)?).is_err(), "dtype mismatch");
+        Ok(())
+    }
+}
