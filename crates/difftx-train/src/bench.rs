@@ -148,7 +148,8 @@ struct Phases {
 }
 
 /// One training step exactly as `trainer::run` does it with grad_accum 1: forward, loss,
-/// backward, global norm, clip scaling, AdamW. Returns the loss.
+/// backward, global norm, AdamW with the clip factor applied to the gradients inside its pass.
+/// Returns the loss.
 fn train_step(
     model: &Model,
     vars: &[(String, Var)],
@@ -162,24 +163,16 @@ fn train_step(
     let loss = Model::loss(&model.forward(xs, None)?, ys)?;
     let l = loss.to_scalar::<f32>()? as f64;
     let t1 = Instant::now();
-    let mut grads = loss.backward()?;
+    let grads = loss.backward()?;
     let t2 = Instant::now();
     let norm = grad_norm(&grads, vars)?;
     if !norm.is_finite() || !l.is_finite() {
         bail!("benchmark training diverged (loss {l}, grad norm {norm})");
     }
     let clip = 1.0;
-    if norm > clip {
-        let factor = clip / norm;
-        for (_, var) in vars {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let scaled = (g * factor)?;
-                grads.insert(var.as_tensor(), scaled);
-            }
-        }
-    }
+    let factor = if norm > clip { clip / norm } else { 1.0 };
     let t3 = Instant::now();
-    opt.step(&grads, lr)?;
+    opt.step_scaled(&grads, lr, factor)?;
     let t4 = Instant::now();
     ph.forward += (t1 - t0).as_secs_f64();
     ph.backward += (t2 - t1).as_secs_f64();

@@ -74,9 +74,12 @@ struct StepScalars {
     lr: f64,
     /// 1 - lr * weight_decay for decayed parameters, else 1.
     keep: f64,
+    /// Factor on every gradient (clipping, accumulation's mean); 1 leaves it as it is.
+    grad_scale: f64,
 }
 
-/// The fused AdamW update over flat slices of one parameter (all the same length), in place:
+/// The fused AdamW update over flat slices of one parameter (all the same length), in place,
+/// with g the gradient times `grad_scale` (rounded as a separate scaling pass would round it):
 ///   m = b1·m + (1-b1)·g;  v = b2·v + (1-b2)·g²
 ///   θ = θ·keep - lr · (m / bc1) / (sqrt(v / bc2) + eps)
 /// Element-wise, so the result does not depend on how the work is split between threads.
@@ -85,7 +88,7 @@ fn adamw_slices<T: AdamFloat>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T]
     let c = |x: f64| T::of(x);
     let (b1, b2, ob1, ob2, eps, lr, keep) =
         (c(k.beta1), c(k.beta2), c(1.0 - k.beta1), c(1.0 - k.beta2), c(k.eps), c(k.lr), c(k.keep));
-    let (ibc1, ibc2) = (c(1.0 / k.bc1), c(1.0 / k.bc2));
+    let (ibc1, ibc2, gs) = (c(1.0 / k.bc1), c(1.0 / k.bc2), c(k.grad_scale));
     const CHUNK: usize = 1 << 14;
     theta
         .par_chunks_mut(CHUNK)
@@ -93,6 +96,7 @@ fn adamw_slices<T: AdamFloat>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T]
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
         .for_each(|((th, g), (m, v))| {
             for (((t, &g), m), v) in th.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = g * gs;
                 let mn = b1 * *m + ob1 * g;
                 let vn = b2 * *v + ob2 * g * g;
                 *m = mn;
@@ -202,6 +206,13 @@ impl AdamW {
     /// One update with learning rate `lr` from `grads` (missing gradients count as zero): one
     /// fused in-place pass per parameter over θ, m, v and the gradient.
     pub fn step(&mut self, grads: &candle_core::backprop::GradStore, lr: f64) -> Result<()> {
+        self.step_scaled(grads, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] from the gradients times `grad_scale` (global-norm clipping, the mean of
+    /// accumulated micro-batches), scaled inside the update's pass: the same values as scaling
+    /// the gradients first, without a pass that writes scaled copies of them all.
+    pub fn step_scaled(&mut self, grads: &candle_core::backprop::GradStore, lr: f64, grad_scale: f64) -> Result<()> {
         self.step += 1;
         let AdamWParams { beta1, beta2, eps, weight_decay } = self.params;
         let bc1 = 1.0 - beta1.powi(self.step as i32);
@@ -214,7 +225,7 @@ impl AdamW {
             }
             let g = g.to_dtype(theta.dtype())?.contiguous()?;
             let keep = if slot.decay { 1.0 - lr * weight_decay } else { 1.0 };
-            let k = StepScalars { beta1, beta2, eps, bc1, bc2, lr, keep };
+            let k = StepScalars { beta1, beta2, eps, bc1, bc2, lr, keep, grad_scale };
             theta.inplace_op2(&g, &AdamWOp { moments: std::cell::RefCell::new(&mut slot.moments), k })?;
         }
         Ok(())
@@ -262,11 +273,25 @@ pub fn grad_norm(grads: &candle_core::backprop::GradStore, vars: &[(String, Var)
     Ok(total.sqrt())
 }
 
-/// Σ x² of a CPU f32/f64 tensor, accumulated in f64 over fixed chunks.
+/// Σ x² of a CPU f32/f64 tensor, accumulated in f64 over fixed chunks, each chunk over `LANES`
+/// interleaved partial sums (one running sum was bound by the latency of its additions: ~5 ms
+/// for bench-s's 4.9M gradients on the Xeon of docs/design.md §7.15).
 fn sum_sq_f64(t: &Tensor) -> Result<f64> {
+    const LANES: usize = 8;
+    fn chunk_sum<T: AdamFloat>(c: &[T]) -> f64 {
+        let mut acc = [0f64; LANES];
+        let mut it = c.chunks_exact(LANES);
+        for part in &mut it {
+            for (a, &v) in acc.iter_mut().zip(part) {
+                *a += v.sq_f64();
+            }
+        }
+        let tail: f64 = it.remainder().iter().map(|v| v.sq_f64()).sum();
+        acc.iter().sum::<f64>() + tail
+    }
     fn chunks<T: AdamFloat>(x: &[T]) -> f64 {
         use rayon::prelude::*;
-        let parts: Vec<f64> = x.par_chunks(1 << 14).map(|c| c.iter().map(|v| v.sq_f64()).sum::<f64>()).collect();
+        let parts: Vec<f64> = x.par_chunks(1 << 14).map(chunk_sum).collect();
         parts.iter().sum()
     }
     let t = t.contiguous()?;
@@ -427,6 +452,51 @@ mod tests {
         let got = grad_norm(&grads, &[("w".into(), w)]).unwrap();
         let want = c.to_dtype(DType::F64).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
         assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+    }
+
+    #[test]
+    fn scaled_step_equals_the_step_on_scaled_gradients() {
+        // The scale applied inside the update gives the bits of scaling the gradients first
+        // (candle's f32 `g * factor`), over two steps, in f32 and f64.
+        let dev = Device::Cpu;
+        for dt in [DType::F32, DType::F64] {
+            let init = Tensor::randn(0f64, 1.0, (37, 5), &dev).unwrap().to_dtype(dt).unwrap();
+            let c = Tensor::randn(0f64, 1.0, (37, 5), &dev).unwrap().to_dtype(dt).unwrap();
+            let factor = 0.37;
+            let run = |scaled_inside: bool| {
+                let w = Var::from_tensor(&init.copy().unwrap()).unwrap();
+                let vars = vec![("w".to_string(), w.clone())];
+                let mut opt = AdamW::new(&vars, AdamWParams::default()).unwrap();
+                for _ in 0..2 {
+                    let mut grads = (w.as_tensor() * &c).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                    if scaled_inside {
+                        opt.step_scaled(&grads, 0.01, factor).unwrap();
+                    } else {
+                        let g = (grads.get(w.as_tensor()).unwrap() * factor).unwrap();
+                        grads.insert(w.as_tensor(), g);
+                        opt.step(&grads, 0.01).unwrap();
+                    }
+                }
+                w.as_tensor().flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
+            };
+            assert_eq!(run(true), run(false), "{dt:?}");
+        }
+    }
+
+    #[test]
+    fn grad_norm_sums_every_element() {
+        // Lengths around the lanes and the chunks, against a plain f64 sum.
+        let dev = Device::Cpu;
+        for n in [1usize, 7, 8, 9, (1 << 14) + 3, 100_001] {
+            let x: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin()).collect();
+            let want: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt();
+            let var = Var::from_tensor(&Tensor::from_vec(x, n, &dev).unwrap()).unwrap();
+            let grads = var.as_tensor().sum_all().unwrap().backward().unwrap();
+            let mut store = grads;
+            store.insert(var.as_tensor(), var.as_tensor().clone());
+            let got = grad_norm(&store, &[("x".to_string(), var.clone())]).unwrap();
+            assert!((got - want).abs() <= 1e-12 * want, "n {n}: {got} vs {want}");
+        }
     }
 
     #[test]

@@ -386,7 +386,7 @@ fn run(
                 }
             });
         }
-        let mut grads = grads.expect("grad_accum >= 1");
+        let grads = grads.expect("grad_accum >= 1");
         let accum = opts.grad_accum as f64;
         let norm = grad_norm(&grads, &vars)? / accum;
         if !norm.is_finite() {
@@ -397,16 +397,7 @@ fn run(
             );
         }
         let clip = if opts.grad_clip > 0.0 && norm > opts.grad_clip { opts.grad_clip / norm } else { 1.0 };
-        let factor = clip / accum;
-        if factor != 1.0 {
-            for (_, var) in &vars {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    let scaled = (g * factor)?;
-                    grads.insert(var.as_tensor(), scaled);
-                }
-            }
-        }
-        opt.step(&grads, lr)?;
+        opt.step_scaled(&grads, lr, clip / accum)?;
         state.step += 1;
         state.tokens_seen += tokens_per_step;
         let secs = start.elapsed().as_secs_f64();
