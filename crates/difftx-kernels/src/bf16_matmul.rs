@@ -325,21 +325,21 @@ unsafe fn pack_a_block(a: &MatRef, i0: usize, kp: usize, blk: &mut [u16]) {
             }
         }
     } else if a.rs == 1 {
-        // Columns contiguous (a transposed operand): each column's run of rows is contiguous;
-        // its values go down one chunk (64-byte stride, within 2 KiB).
-        let mut run = [0u16; BLOCK];
-        for j in 0..cols {
-            let start = j * a.cs + i0;
-            // The column PREFETCH_COLUMNS ahead: its rows are a.cs floats past this one's, a
-            // stride the hardware prefetcher did not follow here (§7.13 of docs/design.md).
-            #[cfg(target_arch = "x86_64")]
-            {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                let ahead = a.data.as_ptr().wrapping_add(start + PREFETCH_COLUMNS * a.cs);
-                // A prefetch never faults and does not change memory (any address is allowed).
-                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(BLOCK - 1) as *const i8);
+        // Columns contiguous (a transposed operand, xᵀ in dw = xᵀ·dy): each column's run of
+        // rows is contiguous. Whole 32×32 chunks by in-register transposes (a 128-byte load per
+        // column, one 64-byte store per row); a last partial block of rows or columns value by
+        // value, down one chunk (64-byte stride, within 2 KiB).
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if rows == BLOCK {
+            while done + BLOCK <= cols {
+                convert::transpose_chunk(a, i0, done, blk.as_mut_ptr().add((done / BLOCK) * CHUNK));
+                done += BLOCK;
             }
+        }
+        let mut run = [0u16; BLOCK];
+        for j in done..cols {
+            let start = j * a.cs + i0;
             to_bf16(&a.data[start..start + rows], &mut run[..rows]);
             let base = (j / BLOCK) * CHUNK + j % BLOCK;
             for (r, &h) in run[..rows].iter().enumerate() {
@@ -360,27 +360,101 @@ fn pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) as u32 | (bf16_bits(hi) as u32) << 16
 }
 
-/// How many columns ahead `pack_a_block` asks for a transposed A's rows (16 and 32 measured
-/// alike on the Xeon model 167).
-const PREFETCH_COLUMNS: usize = 16;
-
 /// Width of a packed B panel: one AMX tile's columns.
 const PANEL: usize = 16;
 
+/// Pairs of k per task when B's rows are contiguous (64 rows: 64 KiB of f32 at n = 256).
+const PAIR_BLOCK: usize = 32;
+
 /// B packed as pairs along k in panels of 16 columns, `[np/16][kp/2][16]` u32 (low half: even
-/// k), zero padded.
+/// k), zero padded. Every value is written by one task (no separate zero fill on the calling
+/// thread first).
 #[inline(never)]
 fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
     let pairs_p = kp / 2;
-    let mut out = vec![0u32; np * pairs_p];
-    out.par_chunks_mut(PANEL * pairs_p).take(b.cols.div_ceil(PANEL)).enumerate().for_each(|(pi, panel)| {
-        // SAFETY: matmul_into runs only with a backend, and every backend implies the features.
-        unsafe { pack_b_panel(b, pi, panel) }
-    });
+    let len = np * pairs_p;
+    let mut out: Vec<u32> = Vec::with_capacity(len);
+    if b.cs == 1 {
+        // Rows contiguous (x and dy as the B of dw = xᵀ·dy): each task reads its rows once,
+        // start to end, and writes its pairs of every panel (a run of 16 · PAIR_BLOCK values in
+        // each). A task per panel read one cache line of every row instead, a stride the
+        // hardware prefetcher does not follow.
+        let dst = Spare(out.spare_capacity_mut().as_mut_ptr());
+        (0..pairs_p.div_ceil(PAIR_BLOCK)).into_par_iter().for_each(|t| {
+            let (p0, p1) = (t * PAIR_BLOCK, ((t + 1) * PAIR_BLOCK).min(pairs_p));
+            for pi in 0..np / PANEL {
+                // SAFETY: pairs p0..p1 of panel pi lie inside the buffer's `len` values, and
+                // tasks cover disjoint pairs, so no other task touches this run.
+                let run = unsafe { dst.run(pi * pairs_p * PANEL + p0 * PANEL, (p1 - p0) * PANEL) };
+                // SAFETY: matmul_into runs only with a backend, and every backend implies the features.
+                unsafe { pack_b_pairs(b, pi, p0, zeroed_u32(run)) }
+            }
+        });
+    } else {
+        out.spare_capacity_mut()[..len].par_chunks_mut(PANEL * pairs_p).enumerate().for_each(|(pi, panel)| {
+            let panel = zeroed_u32(panel);
+            if pi < b.cols.div_ceil(PANEL) {
+                // SAFETY: as above.
+                unsafe { pack_b_panel(b, pi, panel) }
+            }
+        });
+    }
+    // SAFETY: every value went through `zeroed_u32` (the row-contiguous tasks cover every pair
+    // of every panel; the panel tasks every panel).
+    unsafe { out.set_len(len) };
     out
 }
 
-/// Panel `pi` (columns 16·pi .. 16·pi + 16) of [`pack_b`].
+/// The spare capacity of a packed buffer, shared by tasks that write disjoint runs of it.
+#[derive(Clone, Copy)]
+struct Spare<T>(*mut MaybeUninit<T>);
+
+// SAFETY: pack_b's tasks write disjoint runs of it, and the buffer outlives them.
+unsafe impl<T: Send> Send for Spare<T> {}
+unsafe impl<T: Send> Sync for Spare<T> {}
+
+impl<T> Spare<T> {
+    /// # Safety
+    /// `at + len` within the buffer, and no other live reference to these values.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn run(&self, at: usize, len: usize) -> &mut [MaybeUninit<T>] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+}
+
+/// Fills `c` with zeros and returns it as initialised values.
+fn zeroed_u32(c: &mut [MaybeUninit<u32>]) -> &mut [u32] {
+    c.fill(MaybeUninit::new(0));
+    // SAFETY: every element was just written; MaybeUninit<u32> has u32's layout.
+    unsafe { &mut *(c as *mut [MaybeUninit<u32>] as *mut [u32]) }
+}
+
+/// Pairs p0 .. p0 + run.len()/16 of panel `pi` of [`pack_b`] for a row-contiguous B into `run`
+/// (zero-filled: padding pairs and columns stay zero).
+///
+/// # Safety
+/// As [`to_bf16`].
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn pack_b_pairs(b: &MatRef, pi: usize, p0: usize, run: &mut [u32]) {
+    let (k, n) = (b.rows, b.cols);
+    let j0 = pi * PANEL;
+    if j0 >= n {
+        return;
+    }
+    let w = PANEL.min(n - j0);
+    for (q, slot) in run.chunks_exact_mut(PANEL).enumerate() {
+        let p = p0 + q;
+        if 2 * p >= k {
+            break;
+        }
+        let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
+        let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
+        to_bf16_pairs(r0, r1, &mut slot[..w]);
+    }
+}
+
+/// Panel `pi` (columns 16·pi .. 16·pi + 16) of [`pack_b`] for a B whose rows are not
+/// contiguous, into `panel` (zero-filled).
 ///
 /// # Safety
 /// As [`to_bf16`].
@@ -390,14 +464,7 @@ unsafe fn pack_b_panel(b: &MatRef, pi: usize, panel: &mut [u32]) {
     let pairs = k.div_ceil(2);
     let j0 = pi * PANEL;
     let w = PANEL.min(n - j0);
-    if b.cs == 1 {
-        // Rows contiguous: pair row p interleaves rows 2p and 2p+1 of this panel's columns.
-        for p in 0..pairs {
-            let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
-            let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
-            to_bf16_pairs(r0, r1, &mut panel[p * PANEL..p * PANEL + w]);
-        }
-    } else if b.rs == 1 {
+    if b.rs == 1 {
         // Columns contiguous (the transpose of a row-major weight): consecutive bf16 values
         // along k, read as u32, are exactly the pairs.
         let mut run = vec![0u16; 2 * pairs];
@@ -579,6 +646,66 @@ mod convert {
         }
         for j in i..n {
             dst[j] = bf16_bits(src[j]);
+        }
+    }
+
+    /// The whole 32×32 chunk of a column-contiguous A at rows i0.., columns j0.. (both inside
+    /// A) as 32 rows of 32 bf16 at `out`: column j's 16-value halves are contiguous, and two
+    /// 16×16 transposes give each row's 32 values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn transpose_chunk(a: &super::MatRef, i0: usize, j0: usize, out: *mut u16) {
+        const B: usize = super::BLOCK;
+        for half in 0..2 {
+            let mut t = [[_mm512_setzero_ps(); 16]; 2];
+            for (jh, tj) in t.iter_mut().enumerate() {
+                for (jj, v) in tj.iter_mut().enumerate() {
+                    let at = a.data.as_ptr().add((j0 + jh * 16 + jj) * a.cs + i0 + 16 * half);
+                    // The next chunk's column: a stride the hardware prefetcher does not follow
+                    // (§7.13 of docs/design.md). Any address may be prefetched.
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(B * a.cs) as *const i8);
+                    *v = _mm512_loadu_ps(at);
+                }
+                transpose16(tj);
+            }
+            for (r, (&lo, &hi)) in t[0].iter().zip(&t[1]).enumerate() {
+                // The second operand fills the low half (columns 0..16).
+                let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(out.add((16 * half + r) * B) as *mut __m512i, v);
+            }
+        }
+    }
+
+    /// In-register transpose of a 16×16 f32 matrix (one row per vector).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16(r: &mut [__m512; 16]) {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let (lo, hi) = (
+            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+        );
+        for g in 0..4 {
+            let b = 4 * g;
+            r[b] = lo(t[b], t[b + 2]);
+            r[b + 1] = hi(t[b], t[b + 2]);
+            r[b + 2] = lo(t[b + 1], t[b + 3]);
+            r[b + 3] = hi(t[b + 1], t[b + 3]);
+        }
+        for g in 0..2 {
+            let b = 8 * g;
+            for i in 0..4 {
+                t[b + i] = _mm512_shuffle_f32x4::<0x88>(r[b + i], r[b + 4 + i]);
+                t[b + 4 + i] = _mm512_shuffle_f32x4::<0xdd>(r[b + i], r[b + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            r[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+            r[8 + i] = _mm512_shuffle_f32x4::<0xdd>(t[i], t[8 + i]);
         }
     }
 
@@ -898,6 +1025,57 @@ mod tests {
             matmul_into(backend, a_t, b_t, &mut strided).unwrap();
             matmul_into(backend, a_c, b_c, &mut contiguous).unwrap();
             assert_eq!(strided, contiguous, "{backend:?}");
+        }
+    }
+
+    #[test]
+    fn transposed_packing_gives_the_row_major_packing_bits() {
+        // pack_a_block on a column-contiguous A (whole 32×32 chunks by in-register transposes,
+        // the rest value by value) against the same values row-major. Column strides above the
+        // row count (a view into a wider matrix), partial row blocks and column chunks, and the
+        // special values of the rounding (ties, denormals, NaN, infinities, overflow).
+        if bf16_backend().is_none() {
+            return;
+        }
+        let special = [1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, 1e-40, -1e-40, f32::NAN, f32::INFINITY, f32::MAX, -0.0];
+        for (s, &(m, k, extra)) in [(32, 32, 0), (64, 96, 3), (45, 800, 0), (40, 33, 7), (96, 70, 1)].iter().enumerate()
+        {
+            let cs = m + extra;
+            let mut at = random(k * cs, 50 + s as u64); // column j of A at at[j·cs ..]
+            for (i, &v) in special.iter().enumerate() {
+                at[(i * 37) % (k * cs)] = v;
+            }
+            let a_t = MatRef { data: &at, rows: m, cols: k, rs: 1, cs };
+            let rm: Vec<f32> = (0..m * k).map(|x| a_t.at(x / k, x % k)).collect();
+            let a_r = MatRef { data: &rm, rows: m, cols: k, rs: k, cs: 1 };
+            let kp = round_up(k, BLOCK);
+            for i0 in (0..m).step_by(BLOCK) {
+                let (mut got, mut want) = (vec![0xffffu16; BLOCK * kp], vec![0xffffu16; BLOCK * kp]);
+                // SAFETY: a backend exists, so the CPU has the packers' features.
+                unsafe {
+                    pack_a_block(&a_t, i0, kp, &mut got);
+                    pack_a_block(&a_r, i0, kp, &mut want);
+                }
+                assert_eq!(got, want, "{m}x{k} (column stride {cs}), rows from {i0}");
+            }
+        }
+    }
+
+    #[test]
+    fn both_b_packings_give_the_same_bits() {
+        // pack_b on row-contiguous B (tasks over blocks of pairs, every panel) and on the same
+        // values column-contiguous (a task per panel): odd k, k across several pair blocks,
+        // partial and padding panels, padding pairs (kp > k).
+        if bf16_backend().is_none() {
+            return;
+        }
+        for (s, &(k, n)) in [(1, 1), (33, 17), (64, 33), (129, 100), (700, 48)].iter().enumerate() {
+            let d = random(k * n, 70 + s as u64);
+            let rows = MatRef { data: &d, rows: k, cols: n, rs: n, cs: 1 };
+            let t: Vec<f32> = (0..n * k).map(|x| rows.at(x % k, x / k)).collect();
+            let cols = MatRef { data: &t, rows: k, cols: n, rs: 1, cs: k };
+            let (kp, np) = (round_up(k, BLOCK) + BLOCK, round_up(n, BLOCK) + BLOCK);
+            assert_eq!(pack_b(&rows, kp, np), pack_b(&cols, kp, np), "{k}x{n}");
         }
     }
 
