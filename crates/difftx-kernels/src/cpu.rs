@@ -79,25 +79,54 @@ pub(crate) fn par_output<T: Float>(n: usize, chunk: usize, write: impl Fn(usize,
     v
 }
 
-/// Two outputs of `n` values each, chunked alike (a backward's two gradients); see [`par_output`].
-pub(crate) fn par_output2<T: Float>(
+/// [`par_output`] without the zero fill, for kernels that write every value of their chunk
+/// (a fill before an overwrite was ~3% of a bf16 training step, docs/design.md §7.16).
+///
+/// # Safety
+/// `write(i, c)` must initialise every value of `c`: the result exposes them as `T`.
+pub(crate) unsafe fn par_output_uninit<T: Send>(
     n: usize,
     chunk: usize,
-    write: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+    write: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync,
+) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    v.spare_capacity_mut()[..n].par_chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| write(i, c));
+    // SAFETY: the caller's `write` initialised every chunk of the n values.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// Two outputs of `n` values each, chunked alike (a backward's two gradients); see
+/// [`par_output_uninit`].
+///
+/// # Safety
+/// `write(i, a, b)` must initialise every value of `a` and of `b`.
+pub(crate) unsafe fn par_output2_uninit<T: Send>(
+    n: usize,
+    chunk: usize,
+    write: impl Fn(usize, &mut [MaybeUninit<T>], &mut [MaybeUninit<T>]) + Sync,
 ) -> (Vec<T>, Vec<T>) {
     let (mut a, mut b) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let chunk = chunk.max(1);
     let (ua, ub) = (&mut a.spare_capacity_mut()[..n], &mut b.spare_capacity_mut()[..n]);
-    ua.par_chunks_mut(chunk).zip(ub.par_chunks_mut(chunk)).enumerate().for_each(|(i, (ca, cb))| {
-        write(i, zeroed(ca), zeroed(cb));
-    });
-    // SAFETY: both buffers are cut into the same number of chunks, so the zip visits every
-    // chunk of each, and every chunk went through `zeroed`.
+    ua.par_chunks_mut(chunk).zip(ub.par_chunks_mut(chunk)).enumerate().for_each(|(i, (ca, cb))| write(i, ca, cb));
+    // SAFETY: both buffers are cut into the same number of chunks, the zip visits every chunk of
+    // each, and the caller's `write` initialised them.
     unsafe {
         a.set_len(n);
         b.set_len(n);
     }
     (a, b)
+}
+
+/// `y` as possibly uninitialised values, for the kernels written for [`par_output_uninit`]
+/// when their output already exists.
+///
+/// # Safety
+/// Only initialised values may be written through the result (it aliases `y`).
+pub(crate) unsafe fn as_uninit<T>(y: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout; the caller writes only initialised values.
+    unsafe { &mut *(y as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 /// Fills `c` with zeros and returns it as initialised values.
@@ -111,10 +140,10 @@ fn zeroed<T: Float>(c: &mut [MaybeUninit<T>]) -> &mut [T] {
 mod tests {
     use super::*;
 
-    /// Every chunk is handed out once, zero-filled, with its index and length (the last one
-    /// shorter); nothing is left unwritten, at lengths around the chunk size and zero.
+    /// Every chunk is handed out once (zero-filled by par_output), with its index and length
+    /// (the last one shorter); nothing is left unwritten, at lengths around the chunk size and zero.
     #[test]
-    fn par_output_hands_out_every_chunk_zeroed() {
+    fn par_outputs_hand_out_every_chunk_once() {
         for (n, chunk) in [(0, 4), (1, 4), (4, 4), (5, 4), (1000, 7), (100_003, 1024)] {
             let v: Vec<f64> = par_output(n, chunk, |i, c| {
                 assert!(c.iter().all(|&x| x == 0.0), "chunk {i} not zeroed");
@@ -124,13 +153,25 @@ mod tests {
                 }
             });
             assert_eq!(v, (0..n).map(|i| i as f64).collect::<Vec<_>>(), "n {n} chunk {chunk}");
-            let (a, b): (Vec<f32>, Vec<f32>) = par_output2(n, chunk, |i, a, b| {
-                assert!(a.iter().chain(b.iter()).all(|&x| x == 0.0), "chunk {i} not zeroed");
-                assert_eq!(a.len(), b.len());
-                for (j, (x, y)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
-                    (*x, *y) = ((i * chunk + j) as f32, -((i * chunk + j) as f32));
-                }
-            });
+            // SAFETY: every value of every chunk is written.
+            let (a, b): (Vec<f32>, Vec<f32>) = unsafe {
+                par_output2_uninit(n, chunk, |i, a, b| {
+                    assert_eq!((a.len(), b.len()), (chunk.min(n - i * chunk), a.len()), "chunk {i} lengths");
+                    for (j, (x, y)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
+                        x.write((i * chunk + j) as f32);
+                        y.write(-((i * chunk + j) as f32));
+                    }
+                })
+            };
+            // SAFETY: as above.
+            let u: Vec<f32> = unsafe {
+                par_output_uninit(n, chunk, |i, c| {
+                    for (j, x) in c.iter_mut().enumerate() {
+                        x.write(2.0 * (i * chunk + j) as f32);
+                    }
+                })
+            };
+            assert_eq!(u, (0..n).map(|i| 2.0 * i as f32).collect::<Vec<_>>());
             assert_eq!(a, (0..n).map(|i| i as f32).collect::<Vec<_>>());
             assert_eq!(b, (0..n).map(|i| -(i as f32)).collect::<Vec<_>>());
         }

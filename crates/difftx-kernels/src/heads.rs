@@ -3,7 +3,7 @@
 //! of the gradient. candle's `transpose(1, 2)?.contiguous()` copies on the calling thread, one
 //! `d`-element `memcpy` at a time.
 
-use crate::cpu::{min_rows, par_output, storage_slice, with_slice};
+use crate::cpu::{min_rows, par_output_uninit, storage_slice, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -29,18 +29,24 @@ pub(crate) fn swapped_row(r: usize, n1: usize, n2: usize) -> (usize, usize, usiz
     ((b * n1 + i) * n2 + j, i, j)
 }
 
-/// `x` `[B, n1, n2, d]` into a new `[B, n2, n1, d]` buffer, written on the pool.
+/// `x` `[B, n1, n2, d]` into a new `[B, n2, n1, d]` buffer, written on the pool (see
+/// [`par_output_uninit`]).
 fn swap<T: Float>(x: &[T], n1: usize, n2: usize, d: usize) -> Vec<T> {
     if d == 0 || n1 == 0 || n2 == 0 {
         return vec![T::ZERO; x.len()];
     }
+    assert_eq!(x.len() % d, 0, "swap_dims12: rows of {d}");
     let rows = min_rows(d, 8192);
-    par_output(x.len(), rows * d, |c, y| {
-        for (k, yr) in y.chunks_mut(d).enumerate() {
-            let (src, _, _) = swapped_row(c * rows + k, n1, n2);
-            yr.copy_from_slice(&x[src * d..(src + 1) * d]);
-        }
-    })
+    // SAFETY: every chunk is whole rows of d (x.len() and the chunk are multiples of d), and
+    // each row is written whole from its source row.
+    unsafe {
+        par_output_uninit(x.len(), rows * d, |c, y| {
+            for (k, yr) in y.chunks_mut(d).enumerate() {
+                let (src, _, _) = swapped_row(c * rows + k, n1, n2);
+                yr.write_copy_of_slice(&x[src * d..(src + 1) * d]);
+            }
+        })
+    }
 }
 
 struct SwapDims12;

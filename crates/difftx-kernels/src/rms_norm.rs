@@ -5,11 +5,12 @@
 //! Forward:  r = 1 / sqrt(mean(x^2) + eps),  u = x * r,  y = u * gain
 //! Backward: gg = dy * gain,  dx = r * (gg - u * mean(gg * u)),  dgain = sum_rows(dy * u)
 
-use crate::cpu::{min_rows, par_output, rows_cols, storage_slice, with_slice, zeros};
+use crate::cpu::{as_uninit, min_rows, par_output_uninit, rows_cols, storage_slice, with_slice, zeros};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * gain (gain optional, shape [last_dim]).
 /// Statistics computed in f32 at least (f64 for f64 input). Backward for x and gain.
@@ -71,35 +72,43 @@ pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n
     }
     let eps = T::from_f64(eps);
     y.par_chunks_mut(n).zip(x.par_chunks(n)).with_min_len(min_rows(n, 8192)).for_each(|(yr, xr)| {
-        norm_row(xr, gain, eps, yr);
+        // SAFETY: norm_row writes only initialised values.
+        norm_row(xr, gain, eps, unsafe { as_uninit(yr) });
     });
 }
 
-/// The forward into a new buffer, written on the pool (see [`par_output`]).
+/// The forward into a new buffer, written on the pool (see [`par_output_uninit`]).
 fn rms_norm_fwd_new<T: Float>(x: &[T], gain: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
     if n == 0 {
         return Vec::new();
     }
+    assert!(x.len().is_multiple_of(n) && gain.is_none_or(|g| g.len() == n), "rms_norm: rows of {n} and a gain of {n}");
     let (eps, rows) = (T::from_f64(eps), min_rows(n, 8192));
-    par_output(x.len(), rows * n, |i, y| {
-        for (yr, xr) in y.chunks_mut(n).zip(x[i * rows * n..].chunks(n)) {
-            norm_row(xr, gain, eps, yr);
-        }
-    })
+    // SAFETY: every chunk is whole rows of n (x.len() is a multiple of n, and so is the chunk),
+    // and norm_row writes all n values of a row when the gain has n values.
+    unsafe {
+        par_output_uninit(x.len(), rows * n, |i, y| {
+            for (yr, xr) in y.chunks_mut(n).zip(x[i * rows * n..].chunks(n)) {
+                norm_row(xr, gain, eps, yr);
+            }
+        })
+    }
 }
 
+/// One row `yr` = the row `xr` normalised (and scaled by `gain`): every value written when the
+/// three are as long.
 #[inline(always)]
-fn norm_row<T: Float>(xr: &[T], gain: Option<&[T]>, eps: T, yr: &mut [T]) {
+fn norm_row<T: Float>(xr: &[T], gain: Option<&[T]>, eps: T, yr: &mut [MaybeUninit<T>]) {
     let r = inv_rms(xr, eps);
     match gain {
         Some(g) => {
             for ((o, &v), &gv) in yr.iter_mut().zip(xr).zip(g) {
-                *o = v * r * gv;
+                o.write(v * r * gv);
             }
         }
         None => {
             for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = v * r;
+                o.write(v * r);
             }
         }
     }

@@ -6,12 +6,13 @@
 //!   y_a = x_a·cos θ - x_b·sin θ,   y_b = x_a·sin θ + x_b·cos θ     (θ = θ[t + offset, i])
 //! The backward is the rotation by -θ (the same kernel with sin negated): the map is orthogonal.
 
-use crate::cpu::{min_rows, par_output, storage_slice, with_slice};
+use crate::cpu::{as_uninit, min_rows, par_output_uninit, storage_slice, with_slice};
 use crate::float::Float;
 use crate::heads::swapped_row;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// RoPE of x: [B, T, H, d] at positions offset..offset+T from tables cos, sin: [L, d/2], with
 /// backward for x (the tables get no gradient). f32 and f64; tables in x's dtype.
@@ -135,7 +136,7 @@ pub(crate) fn rope_kernel<T: Float>(
         .for_each(|(bt, (yr, xr))| rotate_position(xr, yr, (cos, sin), bt % t, d, interleaved, inverse));
 }
 
-/// `rope_kernel` into a new buffer, written on the pool (see [`par_output`]), its rows in
+/// `rope_kernel` into a new buffer, written on the pool (see [`par_output_uninit`]), its rows in
 /// `order`; `dims` are `(b, t, h, d)`.
 fn rope_new<T: Float>(
     x: &[T],
@@ -149,13 +150,18 @@ fn rope_new<T: Float>(
     if d == 0 || t == 0 || h == 0 {
         return vec![T::ZERO; x.len()];
     }
+    assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d), "rope: heads of an even {d} values");
     let rows = min_rows(d, 8192);
-    par_output(x.len(), rows * d, |i, y| {
-        for (j, yh) in y.chunks_mut(d).enumerate() {
-            let (src, tt) = order.source(i * rows + j, t, h);
-            rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
-        }
-    })
+    // SAFETY: every chunk is whole heads of d (x.len() and the chunk are multiples of d), and
+    // rotate_head writes all d values of a head when d is even.
+    unsafe {
+        par_output_uninit(x.len(), rows * d, |i, y| {
+            for (j, yh) in y.chunks_mut(d).enumerate() {
+                let (src, tt) = order.source(i * rows + j, t, h);
+                rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
+            }
+        })
+    }
 }
 
 /// One (b, t) position's heads `xr` rotated into `yr` by the angles of table row `tt`.
@@ -170,13 +176,21 @@ fn rotate_position<T: Float>(
     inverse: bool,
 ) {
     for (yh, xh) in yr.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
-        rotate_head(xh, yh, tables, tt, interleaved, inverse);
+        // SAFETY: rotate_head writes only initialised values.
+        rotate_head(xh, unsafe { as_uninit(yh) }, tables, tt, interleaved, inverse);
     }
 }
 
 /// One head's `d` values `xh` rotated into `yh` by the angles of table row `tt`.
 #[inline(always)]
-fn rotate_head<T: Float>(xh: &[T], yh: &mut [T], tables: (&[T], &[T]), tt: usize, interleaved: bool, inverse: bool) {
+fn rotate_head<T: Float>(
+    xh: &[T],
+    yh: &mut [MaybeUninit<T>],
+    tables: (&[T], &[T]),
+    tt: usize,
+    interleaved: bool,
+    inverse: bool,
+) {
     let half = xh.len() / 2;
     let c = &tables.0[tt * half..(tt + 1) * half];
     let s = &tables.1[tt * half..(tt + 1) * half];
@@ -184,16 +198,16 @@ fn rotate_head<T: Float>(xh: &[T], yh: &mut [T], tables: (&[T], &[T]), tt: usize
         for i in 0..half {
             let (a, b) = (xh[2 * i], xh[2 * i + 1]);
             let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-            yh[2 * i] = a * c[i] - b * sn;
-            yh[2 * i + 1] = a * sn + b * c[i];
+            yh[2 * i].write(a * c[i] - b * sn);
+            yh[2 * i + 1].write(a * sn + b * c[i]);
         }
     } else {
         let (ya, yb) = yh.split_at_mut(half);
         let (xa, xb) = xh.split_at(half);
         for i in 0..half {
             let sn = if inverse { T::ZERO - s[i] } else { s[i] };
-            ya[i] = xa[i] * c[i] - xb[i] * sn;
-            yb[i] = xa[i] * sn + xb[i] * c[i];
+            ya[i].write(xa[i] * c[i] - xb[i] * sn);
+            yb[i].write(xa[i] * sn + xb[i] * c[i]);
         }
     }
 }

@@ -5,10 +5,11 @@
 //!   h  = g·s·u
 //!   dg = dh·u·s·(1 + g·(1 - s)),   du = dh·g·s
 
-use crate::cpu::{par_output, par_output2, storage_slice, with_slice, BEST_ISA};
+use crate::cpu::{par_output2_uninit, par_output_uninit, storage_slice, with_slice, BEST_ISA};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use std::mem::MaybeUninit;
 
 const CHUNK: usize = 8192;
 
@@ -37,21 +38,21 @@ fn sigmoid<T: Float>(x: T) -> T {
     T::ONE / (T::ONE + (T::ZERO - x).exp())
 }
 
-/// `h = silu(g)·u` over one chunk.
+/// `h = silu(g)·u` over one chunk (every value of `h` written; g, u and h of one length).
 #[inline(always)]
-fn fwd_chunk<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
+fn fwd_chunk<T: Float>(g: &[T], u: &[T], h: &mut [MaybeUninit<T>]) {
     for ((o, &gv), &uv) in h.iter_mut().zip(g).zip(u) {
-        *o = gv * sigmoid(gv) * uv;
+        o.write(gv * sigmoid(gv) * uv);
     }
 }
 
-/// `dg`, `du` over one chunk.
+/// `dg`, `du` over one chunk (every value written; all slices of one length).
 #[inline(always)]
-fn bwd_chunk<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+fn bwd_chunk<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [MaybeUninit<T>], du: &mut [MaybeUninit<T>]) {
     for ((((a, b), &gv), &uv), &d) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u).zip(dh) {
         let s = sigmoid(gv);
-        *a = d * uv * s * (T::ONE + gv * (T::ONE - s));
-        *b = d * gv * s;
+        a.write(d * uv * s * (T::ONE + gv * (T::ONE - s)));
+        b.write(d * gv * s);
     }
 }
 
@@ -61,19 +62,19 @@ fn bwd_chunk<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
 mod simd {
     use super::*;
 
-    pub(super) type FwdFn<T> = fn(&[T], &[T], &mut [T]);
-    pub(super) type BwdFn<T> = fn(&[T], &[T], &[T], &mut [T], &mut [T]);
+    pub(super) type FwdFn<T> = fn(&[T], &[T], &mut [MaybeUninit<T>]);
+    pub(super) type BwdFn<T> = fn(&[T], &[T], &[T], &mut [MaybeUninit<T>], &mut [MaybeUninit<T>]);
 
     macro_rules! variants {
         ($feat:literal, $fwd:ident, $bwd:ident) => {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $fwd<T: Float>(g: &[T], u: &[T], h: &mut [T]) {
+            unsafe fn $fwd<T: Float>(g: &[T], u: &[T], h: &mut [MaybeUninit<T>]) {
                 fwd_chunk(g, u, h)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [T], du: &mut [T]) {
+            unsafe fn $bwd<T: Float>(g: &[T], u: &[T], dh: &[T], dg: &mut [MaybeUninit<T>], du: &mut [MaybeUninit<T>]) {
                 bwd_chunk(g, u, dh, dg, du)
             }
         };
@@ -101,11 +102,15 @@ pub(crate) fn swiglu_fwd<T: Float>(g: &[T], u: &[T]) -> Vec<T> {
 }
 
 fn swiglu_fwd_at<T: Float>(isa: u8, g: &[T], u: &[T]) -> Vec<T> {
+    assert_eq!(g.len(), u.len(), "swiglu: gate and up lengths");
     let (chunk, _) = simd::pick::<T>(isa);
-    par_output(g.len(), CHUNK, |i, h| {
-        let r = i * CHUNK..i * CHUNK + h.len();
-        chunk(&g[r.clone()], &u[r], h)
-    })
+    // SAFETY: g and u are as long as the output, so the chunk loop writes every value of h.
+    unsafe {
+        par_output_uninit(g.len(), CHUNK, |i, h| {
+            let r = i * CHUNK..i * CHUNK + h.len();
+            chunk(&g[r.clone()], &u[r], h)
+        })
+    }
 }
 
 /// `(dg, du)` from `dh`, written on the pool in chunks of `CHUNK`.
@@ -114,11 +119,15 @@ pub(crate) fn swiglu_bwd<T: Float>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T
 }
 
 fn swiglu_bwd_at<T: Float>(isa: u8, g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
+    assert!(u.len() == g.len() && dh.len() == g.len(), "swiglu: gate, up and gradient lengths");
     let (_, chunk) = simd::pick::<T>(isa);
-    par_output2(g.len(), CHUNK, |i, dg, du| {
-        let r = i * CHUNK..i * CHUNK + dg.len();
-        chunk(&g[r.clone()], &u[r.clone()], &dh[r], dg, du)
-    })
+    // SAFETY: g, u and dh are as long as the outputs, so the chunk loop writes every value.
+    unsafe {
+        par_output2_uninit(g.len(), CHUNK, |i, dg, du| {
+            let r = i * CHUNK..i * CHUNK + dg.len();
+            chunk(&g[r.clone()], &u[r.clone()], &dh[r], dg, du)
+        })
+    }
 }
 
 fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
