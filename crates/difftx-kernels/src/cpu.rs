@@ -130,7 +130,7 @@ pub(crate) unsafe fn as_uninit<T>(y: &mut [T]) -> &mut [MaybeUninit<T>] {
 }
 
 /// Fills `c` with zeros and returns it as initialised values.
-fn zeroed<T: Float>(c: &mut [MaybeUninit<T>]) -> &mut [T] {
+pub(crate) fn zeroed<T: Float>(c: &mut [MaybeUninit<T>]) -> &mut [T] {
     c.fill(MaybeUninit::new(T::ZERO));
     // SAFETY: every element was just written; MaybeUninit<T> has T's layout.
     unsafe { &mut *(c as *mut [MaybeUninit<T>] as *mut [T]) }

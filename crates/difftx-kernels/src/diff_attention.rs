@@ -44,7 +44,7 @@
 
 use crate::cpu::{storage_slice, with_slice, zeros};
 use crate::diff_combine::DiffCombinePairs;
-use crate::flash::{flash_bwd, flash_fwd, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
+use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
 use crate::pair_values::PairValues;
 use crate::PairLayout;
@@ -248,11 +248,7 @@ impl DiffAttn {
 
     /// Every head's output and log-sum-exp.
     fn attend<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<T>) {
-        let d = &self.d;
-        let mut o = zeros::<T>(d.b * d.hq * d.t * d.dv);
-        let mut lse = zeros::<T>(d.b * d.hq * d.t);
-        flash_fwd(d, self.scale, self.q_offset, q, k, &self.values(v), &mut o, &mut lse);
-        (o, lse)
+        flash_fwd_new(&self.d, self.scale, self.q_offset, q, k, &self.values(v))
     }
 
     /// The backward tasks' kv heads `(a, b)` for task `u` (diff-v2: one head twice).

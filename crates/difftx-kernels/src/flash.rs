@@ -40,11 +40,12 @@
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
 
-use crate::cpu::{storage_slice, zeros, BEST_ISA};
+use crate::cpu::{storage_slice, zeroed, zeros, BEST_ISA};
 use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 /// Query rows per forward / dq task.
@@ -494,7 +495,9 @@ fn fwd_group_task<T: Float>(
     }
 }
 
-/// Forward over all heads: fills `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`.
+/// Forward over all heads into existing buffers: fills `out` `[B, Hq, T, dv]` and `lse`
+/// `[B, Hq, T]` (the tests' form; the ops use [`flash_fwd_new`]).
+#[cfg(test)]
 pub(crate) fn flash_fwd<T: Float>(
     d: &Dims,
     scale: f64,
@@ -505,7 +508,48 @@ pub(crate) fn flash_fwd<T: Float>(
     out: &mut [T],
     lse: &mut [T],
 ) {
+    use crate::cpu::as_uninit;
+    // SAFETY: flash_fwd_at writes only initialised values (zeros, then the kernels' results).
+    let (out, lse) = unsafe { (as_uninit(out), as_uninit(lse)) };
     flash_fwd_at(BEST_ISA, grouped(d), d, scale, q_offset, q, k, v, out, lse)
+}
+
+/// [`flash_fwd`] into new buffers `(out, lse)`, with no fill before the tasks: each task
+/// zero-fills its own rows (in its cache) just before its kernel writes them.
+pub(crate) fn flash_fwd_new<T: Float>(
+    d: &Dims,
+    scale: f64,
+    q_offset: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<T>) {
+    let (n_out, n_lse) = (d.b * d.hq * d.t * d.dv, d.b * d.hq * d.t);
+    if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
+        // No tasks run: nothing would initialise the buffers.
+        return (vec![T::ZERO; n_out], vec![T::ZERO; n_lse]);
+    }
+    let (mut out, mut lse) = (Vec::with_capacity(n_out), Vec::with_capacity(n_lse));
+    flash_fwd_at(
+        BEST_ISA,
+        grouped(d),
+        d,
+        scale,
+        q_offset,
+        q,
+        k,
+        v,
+        &mut out.spare_capacity_mut()[..n_out],
+        &mut lse.spare_capacity_mut()[..n_lse],
+    );
+    // SAFETY: with t, dv and b·hq positive, flash_fwd_at's tasks cover every row of every head
+    // of both buffers (out is [B·Hq, T, dv], lse [B·Hq, T], cut alike) and zero-fill each
+    // before writing it.
+    unsafe {
+        out.set_len(n_out);
+        lse.set_len(n_lse);
+    }
+    (out, lse)
 }
 
 /// `flash_fwd` with the instruction-set level capped at `isa` (see `BEST_ISA`); `group`: the
@@ -519,12 +563,13 @@ fn flash_fwd_at<T: Float>(
     q: &[T],
     k: &[T],
     v: &[T],
-    out: &mut [T],
-    lse: &mut [T],
+    out: &mut [MaybeUninit<T>],
+    lse: &mut [MaybeUninit<T>],
 ) {
     if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
         return;
     }
+    assert!(out.len() == d.b * d.hq * d.t * d.dv && lse.len() == d.b * d.hq * d.t, "flash_fwd: output sizes");
     let scale = T::from_f64(scale);
     if group {
         // Tasks (batch, kv head, block of group_rows rows), each running every query head of
@@ -549,8 +594,10 @@ fn flash_fwd_at<T: Float>(
         let (_, kernel) = simd::pick_fwd::<T>(isa);
         tasks.into_par_iter().for_each_init(
             || Scratch::new(d),
-            |sc, (bg, t0, mut parts)| {
+            |sc, (bg, t0, parts)| {
                 let qg = &q[bg * rep * d.t * d.dk..(bg + 1) * rep * d.t * d.dk];
+                // Each task's rows are zero-filled here, in its own cache, not in a pass before.
+                let mut parts: Vec<_> = parts.into_iter().map(|(o, l)| (zeroed(o), zeroed(l))).collect();
                 kernel(&KvHead::of(d, scale, q_offset, k, v, bg), t0, qg, &mut parts, sc);
             },
         );
@@ -571,7 +618,7 @@ fn flash_fwd_at<T: Float>(
             let (b, h) = (bh / d.hq, bh % d.hq);
             let kv = b * d.hk + h / d.rep();
             let qh = &q[bh * d.t * d.dk..(bh + 1) * d.t * d.dk];
-            kernel(&KvHead::of(d, scale, q_offset, k, v, kv), t0, qh, o, l, sc);
+            kernel(&KvHead::of(d, scale, q_offset, k, v, kv), t0, qh, zeroed(o), zeroed(l), sc);
         },
     );
 }
@@ -989,9 +1036,7 @@ fn fwd_typed<T: Float>(
 ) -> Result<(CpuStorage, Shape)> {
     let d = dims_of(l1.dims(), l2.dims(), l3.dims())?;
     let (q, k, v) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
-    let mut out = zeros::<T>(d.b * d.hq * d.t * d.dv);
-    let mut lse = zeros::<T>(d.b * d.hq * d.t);
-    flash_fwd(&d, op.scale, op.q_offset, q, k, v, &mut out, &mut lse);
+    let (out, lse) = flash_fwd_new(&d, op.scale, op.q_offset, q, k, v);
     *op.lse.lock().unwrap() = Some(T::to_cpu_storage_owned(lse));
     Ok((T::to_cpu_storage_owned(out), Shape::from_dims(&[d.b, d.hq, d.t, d.dv])))
 }
@@ -1019,10 +1064,7 @@ fn bwd_typed<T: Float>(
                         let lse: &[T] = match &saved {
                             Some(st) => st.as_slice::<T>()?,
                             None => {
-                                let mut o2 = zeros::<T>(os.len());
-                                let mut l = zeros::<T>(d.b * d.hq * d.t);
-                                flash_fwd(&d, op.scale, op.q_offset, qs, ks, vs, &mut o2, &mut l);
-                                recomputed = l;
+                                recomputed = flash_fwd_new(&d, op.scale, op.q_offset, qs, ks, vs).1;
                                 &recomputed
                             }
                         };
@@ -1085,6 +1127,7 @@ impl CustomOp3 for FlashAttn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::as_uninit;
     use candle_core::Device;
 
     /// `bwd` without a saved log-sum-exp (recompute fallback) gives the same gradients.
@@ -1139,6 +1182,39 @@ mod tests {
         assert_eq!(causal_chunks(128, 128, 0, 128, 0).collect::<Vec<_>>(), [(0, 128, 128)]);
     }
 
+    /// The forward into new buffers (each task zero-fills its own rows) gives the bits of the
+    /// forward into buffers filled first (here with NaN, so an unwritten value would show), on
+    /// grouped, per-head, row-at-a-time and empty shapes.
+    #[test]
+    fn new_buffers_equal_filled_buffers() {
+        let cases = [
+            Dims { b: 2, hq: 8, hk: 2, t: 150, s: 150, dk: 16, dv: 24 },
+            Dims { b: 1, hq: 4, hk: 4, t: 130, s: 140, dk: 12, dv: 20 },
+            Dims { b: 2, hq: 2, hk: 1, t: 3, s: 9, dk: 8, dv: 8 },
+            Dims { b: 1, hq: 2, hk: 1, t: 5, s: 5, dk: 4, dv: 0 },
+            Dims { b: 1, hq: 2, hk: 1, t: 0, s: 0, dk: 4, dv: 4 },
+        ];
+        for d in cases {
+            let off = d.s - d.t;
+            let gen = |n: usize, p: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37 + p).sin()).collect() };
+            let (q, k, v) = (
+                gen(d.b * d.hq * d.t * d.dk, 0.1),
+                gen(d.b * d.hk * d.s * d.dk, 0.2),
+                gen(d.b * d.hk * d.s * d.dv, 0.3),
+            );
+            let (mut out, mut lse) = (vec![f32::NAN; d.b * d.hq * d.t * d.dv], vec![f32::NAN; d.b * d.hq * d.t]);
+            flash_fwd(&d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            let (out_new, lse_new) = flash_fwd_new(&d, 0.3, off, &q, &k, &v);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            if d.dv > 0 {
+                assert!(out.iter().chain(&lse).all(|x| x.is_finite()), "{d:?}: a value left unwritten");
+                assert_eq!((bits(&out_new), bits(&lse_new)), (bits(&out), bits(&lse)), "{d:?}");
+            } else {
+                assert_eq!((out_new.len(), lse_new, bits(&out)), (0, vec![0.0; lse.len()], vec![]), "{d:?}");
+            }
+        }
+    }
+
     /// Every instruction-set variant (baseline, AVX2, AVX-512) computes the same thing; the
     /// public path only ever runs the best one the CPU has.
     #[test]
@@ -1153,7 +1229,10 @@ mod tests {
         let run = |isa: u8| {
             let mut out = vec![0f32; g.len()];
             let mut lse = vec![0f32; d.b * d.hq * d.t];
-            flash_fwd_at(isa, grouped(&d), &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            // SAFETY: flash_fwd_at writes only initialised values.
+            flash_fwd_at(isa, grouped(&d), &d, 0.3, off, &q, &k, &v, unsafe { as_uninit(&mut out) }, unsafe {
+                as_uninit(&mut lse)
+            });
             let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
             let (mut dq1, mut dk1, mut dv1) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
             flash_bwd_at(isa, false, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
@@ -1194,7 +1273,10 @@ mod tests {
             for isa in 0..=BEST_ISA {
                 let run = |group: bool| {
                     let (mut out, mut lse) = (vec![0f64; b * hq * t * dv], vec![0f64; b * hq * t]);
-                    flash_fwd_at(isa, group, &d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+                    // SAFETY: as above.
+                    flash_fwd_at(isa, group, &d, 0.3, off, &q, &k, &v, unsafe { as_uninit(&mut out) }, unsafe {
+                        as_uninit(&mut lse)
+                    });
                     [out, lse]
                 };
                 for (name, (a, w)) in ["out", "lse"].iter().zip(run(true).iter().zip(&run(false))) {
