@@ -42,7 +42,7 @@
 // Kernels over raw slices naturally take many arguments.
 #![allow(clippy::too_many_arguments)]
 
-use crate::cpu::{storage_slice, with_slice, zeros};
+use crate::cpu::{storage_slice, with_slice, zeroed, zeros};
 use crate::diff_combine::DiffCombinePairs;
 use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
@@ -52,6 +52,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 /// diff-v1's attention `z_j = A_a V_p − λ·A_b V_p` for every query pair `j` (see the module
@@ -284,6 +285,20 @@ struct TaskOut<'a, T> {
     dq: Vec<(&'a mut [T], &'a mut [T])>,
 }
 
+impl<'a, T: Float> TaskOut<'a, MaybeUninit<T>> {
+    /// The task's slices zero-filled (the kernels accumulate into them).
+    fn zeroed(self) -> TaskOut<'a, T> {
+        TaskOut {
+            b: self.b,
+            u: self.u,
+            dk_a: zeroed(self.dk_a),
+            dk_b: self.dk_b.map(zeroed),
+            dv: self.dv.into_iter().map(zeroed).collect(),
+            dq: self.dq.into_iter().map(|(a, b)| (zeroed(a), zeroed(b))).collect(),
+        }
+    }
+}
+
 /// Inputs of the shared-map backward.
 struct BwdIn<'a, T> {
     d: Dims,
@@ -463,13 +478,11 @@ impl DiffAttn {
     ) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
         let d = &self.d;
         let w = d.dv;
-        let mut dq = zeros::<T>(q.len());
-        let mut dk = zeros::<T>(k.len());
-        let mut dv = zeros::<T>(v.len());
         let combine = self.combine();
         let mut dl = zeros::<T>(lambda.len());
         let values = self.values(v);
         if !shared {
+            let (mut dq, mut dk, mut dv) = (zeros::<T>(q.len()), zeros::<T>(k.len()), zeros::<T>(v.len()));
             // the combination's backward: every head's output gradient and dλ = −Σ dz ∘ o_b
             let mut dout = zeros::<T>(o.len());
             combine.bwd(o, lambda, dz, &mut dout, &mut dl);
@@ -502,12 +515,16 @@ impl DiffAttn {
             delta: &delta,
             pairs_of: &self.pairs_of,
         };
-        // hand every task its heads' gradient slices
+        // Hand every task its heads' gradient slices, uninitialised: each task zero-fills its own
+        // (in its cache) before accumulating into them, instead of a fill pass over all three
+        // first. dv has room for dλ, which the caller appends.
         let (t, s, dkd, units) = (d.t, d.s, d.dk, self.pairs_of.len());
         let dv_head = v.len() / (d.b * d.hk);
-        let mut dq_heads: Vec<Option<&mut [T]>> = dq.chunks_mut(t * dkd).map(Some).collect();
-        let mut dk_heads: Vec<Option<&mut [T]>> = dk.chunks_mut(s * dkd).map(Some).collect();
-        let mut dv_heads: Vec<Option<&mut [T]>> = dv.chunks_mut(dv_head).map(Some).collect();
+        let (mut dq, mut dk) = (Vec::with_capacity(q.len()), Vec::with_capacity(k.len()));
+        let mut dv = Vec::with_capacity(v.len() + lambda.len());
+        let mut dq_heads: Vec<_> = dq.spare_capacity_mut()[..q.len()].chunks_mut(t * dkd).map(Some).collect();
+        let mut dk_heads: Vec<_> = dk.spare_capacity_mut()[..k.len()].chunks_mut(s * dkd).map(Some).collect();
+        let mut dv_heads: Vec<_> = dv.spare_capacity_mut()[..v.len()].chunks_mut(dv_head).map(Some).collect();
         fn take<'a, T>(heads: &mut [Option<&'a mut [T]>], i: usize) -> &'a mut [T] {
             heads[i].take().expect("every head belongs to one task")
         }
@@ -532,8 +549,19 @@ impl DiffAttn {
                 outs.push(TaskOut { b, u, dk_a, dk_b, dv: dvs, dq: dqs });
             }
         }
+        // Every head of the three went to a task (the buffers are initialised by the tasks alone).
+        let all_taken = |heads: &[Option<_>]| heads.iter().all(Option::is_none);
+        assert!(all_taken(&dq_heads) && all_taken(&dk_heads) && all_taken(&dv_heads), "a gradient head without a task");
         let task = simd::pick::<T>();
-        outs.into_par_iter().for_each_init(Tiles::new, |tl, mut g| task(&x, self.task_kv(g.u), &mut g, tl));
+        outs.into_par_iter().for_each_init(Tiles::new, |tl, g| task(&x, self.task_kv(g.u), &mut g.zeroed(), tl));
+        // SAFETY: the chunks cover each buffer's length (q, k, v hold whole heads of t·dk, s·dk
+        // and dv_head values), every chunk went to one task (asserted above), and each task
+        // zero-filled all of its chunks (TaskOut::zeroed) before writing them.
+        unsafe {
+            dq.set_len(q.len());
+            dk.set_len(k.len());
+            dv.set_len(v.len());
+        }
         (dq, dk, dv, dl)
     }
 }
