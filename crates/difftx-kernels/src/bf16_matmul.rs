@@ -25,6 +25,7 @@
 //! `--precision bf16` says so). The order of summation differs between the backends (AMX adds a
 //! 32-wide k step per instruction), so results agree to f32 rounding of the sums, not bitwise.
 
+use crate::cpu::filled;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -387,46 +388,39 @@ fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
                 // tasks cover disjoint pairs, so no other task touches this run.
                 let run = unsafe { dst.run(pi * pairs_p * PANEL + p0 * PANEL, (p1 - p0) * PANEL) };
                 // SAFETY: matmul_into runs only with a backend, and every backend implies the features.
-                unsafe { pack_b_pairs(b, pi, p0, zeroed_u32(run)) }
+                unsafe { pack_b_pairs(b, pi, p0, filled(run, 0)) }
             }
         });
     } else {
         out.spare_capacity_mut()[..len].par_chunks_mut(PANEL * pairs_p).enumerate().for_each(|(pi, panel)| {
-            let panel = zeroed_u32(panel);
+            let panel = filled(panel, 0);
             if pi < b.cols.div_ceil(PANEL) {
                 // SAFETY: as above.
                 unsafe { pack_b_panel(b, pi, panel) }
             }
         });
     }
-    // SAFETY: every value went through `zeroed_u32` (the row-contiguous tasks cover every pair
+    // SAFETY: every value went through `filled` (the row-contiguous tasks cover every pair
     // of every panel; the panel tasks every panel).
     unsafe { out.set_len(len) };
     out
 }
 
-/// The spare capacity of a packed buffer, shared by tasks that write disjoint runs of it.
+/// The spare capacity of [`pack_b`]'s buffer, shared by tasks that write disjoint runs of it.
 #[derive(Clone, Copy)]
-struct Spare<T>(*mut MaybeUninit<T>);
+struct Spare(*mut MaybeUninit<u32>);
 
 // SAFETY: pack_b's tasks write disjoint runs of it, and the buffer outlives them.
-unsafe impl<T: Send> Send for Spare<T> {}
-unsafe impl<T: Send> Sync for Spare<T> {}
+unsafe impl Send for Spare {}
+unsafe impl Sync for Spare {}
 
-impl<T> Spare<T> {
+impl Spare {
     /// # Safety
     /// `at + len` within the buffer, and no other live reference to these values.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn run(&self, at: usize, len: usize) -> &mut [MaybeUninit<T>] {
+    unsafe fn run(&self, at: usize, len: usize) -> &mut [MaybeUninit<u32>] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
-}
-
-/// Fills `c` with zeros and returns it as initialised values.
-fn zeroed_u32(c: &mut [MaybeUninit<u32>]) -> &mut [u32] {
-    c.fill(MaybeUninit::new(0));
-    // SAFETY: every element was just written; MaybeUninit<u32> has u32's layout.
-    unsafe { &mut *(c as *mut [MaybeUninit<u32>] as *mut [u32]) }
 }
 
 /// Pairs p0 .. p0 + run.len()/16 of panel `pi` of [`pack_b`] for a row-contiguous B into `run`

@@ -72,11 +72,8 @@ pub(crate) fn zeros<T: Float>(n: usize) -> Vec<T> {
 /// before, so that the output is not filled by a separate pass over memory first (its fill
 /// stays in the cache of the thread that writes it).
 pub(crate) fn par_output<T: Float>(n: usize, chunk: usize, write: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
-    let mut v = Vec::with_capacity(n);
-    v.spare_capacity_mut()[..n].par_chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| write(i, zeroed(c)));
-    // SAFETY: every chunk of the n values went through `zeroed`, which initialised it.
-    unsafe { v.set_len(n) };
-    v
+    // SAFETY: `zeroed` initialises every value of each chunk before `write` sees it.
+    unsafe { par_output_uninit(n, chunk, |i, c| write(i, zeroed(c))) }
 }
 
 /// [`par_output`] without the zero fill, for kernels that write every value of their chunk
@@ -131,7 +128,12 @@ pub(crate) unsafe fn as_uninit<T>(y: &mut [T]) -> &mut [MaybeUninit<T>] {
 
 /// Fills `c` with zeros and returns it as initialised values.
 pub(crate) fn zeroed<T: Float>(c: &mut [MaybeUninit<T>]) -> &mut [T] {
-    c.fill(MaybeUninit::new(T::ZERO));
+    filled(c, T::ZERO)
+}
+
+/// Fills `c` with `value` and returns it as initialised values.
+pub(crate) fn filled<T: Copy>(c: &mut [MaybeUninit<T>], value: T) -> &mut [T] {
+    c.fill(MaybeUninit::new(value));
     // SAFETY: every element was just written; MaybeUninit<T> has T's layout.
     unsafe { &mut *(c as *mut [MaybeUninit<T>] as *mut [T]) }
 }

@@ -495,27 +495,9 @@ fn fwd_group_task<T: Float>(
     }
 }
 
-/// Forward over all heads into existing buffers: fills `out` `[B, Hq, T, dv]` and `lse`
-/// `[B, Hq, T]` (the tests' form; the ops use [`flash_fwd_new`]).
-#[cfg(test)]
-pub(crate) fn flash_fwd<T: Float>(
-    d: &Dims,
-    scale: f64,
-    q_offset: usize,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    out: &mut [T],
-    lse: &mut [T],
-) {
-    use crate::cpu::as_uninit;
-    // SAFETY: flash_fwd_at writes only initialised values (zeros, then the kernels' results).
-    let (out, lse) = unsafe { (as_uninit(out), as_uninit(lse)) };
-    flash_fwd_at(BEST_ISA, grouped(d), d, scale, q_offset, q, k, v, out, lse)
-}
-
-/// [`flash_fwd`] into new buffers `(out, lse)`, with no fill before the tasks: each task
-/// zero-fills its own rows (in its cache) just before its kernel writes them.
+/// Forward over all heads into new buffers: `out` `[B, Hq, T, dv]` and `lse` `[B, Hq, T]`, with
+/// no fill before the tasks: each task zero-fills its own rows (in its cache) just before its
+/// kernel writes them.
 pub(crate) fn flash_fwd_new<T: Float>(
     d: &Dims,
     scale: f64,
@@ -525,8 +507,8 @@ pub(crate) fn flash_fwd_new<T: Float>(
     v: &[T],
 ) -> (Vec<T>, Vec<T>) {
     let (n_out, n_lse) = (d.b * d.hq * d.t * d.dv, d.b * d.hq * d.t);
-    if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
-        // No tasks run: nothing would initialise the buffers.
+    if no_forward_tasks(d) {
+        // Nothing would initialise the buffers.
         return (vec![T::ZERO; n_out], vec![T::ZERO; n_lse]);
     }
     let (mut out, mut lse) = (Vec::with_capacity(n_out), Vec::with_capacity(n_lse));
@@ -552,8 +534,14 @@ pub(crate) fn flash_fwd_new<T: Float>(
     (out, lse)
 }
 
-/// `flash_fwd` with the instruction-set level capped at `isa` (see `BEST_ISA`); `group`: the
-/// grouped tasks (tests run the per-head ones on GQA shapes too).
+/// Whether the forward has no rows to compute (no tasks run, nothing is written).
+fn no_forward_tasks(d: &Dims) -> bool {
+    d.t == 0 || d.dv == 0 || d.b * d.hq == 0
+}
+
+/// The forward into `out` and `lse` (every value written unless [`no_forward_tasks`]), with the
+/// instruction-set level capped at `isa` (see `BEST_ISA`); `group`: the grouped tasks (tests run
+/// the per-head ones on GQA shapes too).
 fn flash_fwd_at<T: Float>(
     isa: u8,
     group: bool,
@@ -566,7 +554,7 @@ fn flash_fwd_at<T: Float>(
     out: &mut [MaybeUninit<T>],
     lse: &mut [MaybeUninit<T>],
 ) {
-    if d.t == 0 || d.dv == 0 || d.b * d.hq == 0 {
+    if no_forward_tasks(d) {
         return;
     }
     assert!(out.len() == d.b * d.hq * d.t * d.dv && lse.len() == d.b * d.hq * d.t, "flash_fwd: output sizes");
@@ -1203,7 +1191,10 @@ mod tests {
                 gen(d.b * d.hk * d.s * d.dv, 0.3),
             );
             let (mut out, mut lse) = (vec![f32::NAN; d.b * d.hq * d.t * d.dv], vec![f32::NAN; d.b * d.hq * d.t]);
-            flash_fwd(&d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            // SAFETY: flash_fwd_at writes only initialised values.
+            flash_fwd_at(BEST_ISA, grouped(&d), &d, 0.3, off, &q, &k, &v, unsafe { as_uninit(&mut out) }, unsafe {
+                as_uninit(&mut lse)
+            });
             let (out_new, lse_new) = flash_fwd_new(&d, 0.3, off, &q, &k, &v);
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             if d.dv > 0 {
@@ -1308,9 +1299,7 @@ mod tests {
             let k = gen(b * hk * s * dk, 0.2);
             let v = gen(b * hk * s * dv, 0.3);
             let g = gen(b * hq * t * dv, 0.4);
-            let mut out = vec![0f64; g.len()];
-            let mut lse = vec![0f64; b * hq * t];
-            flash_fwd(&d, 0.3, off, &q, &k, &v, &mut out, &mut lse);
+            let (out, lse) = flash_fwd_new(&d, 0.3, off, &q, &k, &v);
             let grads = |one: bool| {
                 let (mut dq, mut dk, mut dv) = (vec![0f64; q.len()], vec![0f64; k.len()], vec![0f64; v.len()]);
                 flash_bwd_at(BEST_ISA, one, &d, 0.3, off, &q, &k, &v, &out, &g, &lse, &mut dq, &mut dk, &mut dv);
