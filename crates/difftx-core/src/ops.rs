@@ -82,8 +82,8 @@ pub fn linear_matmul(x: &Tensor, w: &Tensor, precision: Precision, kernels: Kern
             difftx_kernels::linear(x, w)
         }
         Precision::F32 => x.matmul(&w.t()?),
-        Precision::Bf16 => difftx_kernels::matmul_bf16(x, &w.t()?),
-        Precision::Bf16Emulated => difftx_kernels::matmul_bf16_emulated(x, &w.t()?),
+        Precision::Bf16 => difftx_kernels::linear_bf16(x, w),
+        Precision::Bf16Emulated => difftx_kernels::linear_bf16_emulated(x, w),
     }
 }
 

@@ -113,7 +113,19 @@ impl CustomOp2 for MatmulBf16 {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = (view(s1, l1)?, view(s2, l2)?);
+        self.product(view(s1, l1)?, view(s2, l2)?)
+    }
+
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, dc: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dc = dc.to_dtype(DType::F32)?;
+        let product = |x: &Tensor, y: &Tensor| x.apply_op2(y, MatmulBf16 { backend: self.backend });
+        Ok((Some(product(&dc, &b.t()?)?), Some(product(&a.t()?, &dc)?)))
+    }
+}
+
+impl MatmulBf16 {
+    /// C = A·B as a new storage.
+    fn product(&self, a: MatRef, b: MatRef) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let c = match self.backend {
             Some(backend) => {
@@ -135,11 +147,79 @@ impl CustomOp2 for MatmulBf16 {
         };
         Ok((CpuStorage::F32(c), Shape::from_dims(&[m, n])))
     }
+}
 
-    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, dc: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dc = dc.to_dtype(DType::F32)?;
-        let product = |x: &Tensor, y: &Tensor| x.apply_op2(y, MatmulBf16 { backend: self.backend });
-        Ok((Some(product(&dc, &b.t()?)?), Some(product(&a.t()?, &dc)?)))
+/// A linear layer's `x·wᵀ` (x `[m, in]`, w `[out, in]`) with bf16 products on [`bf16_backend`],
+/// as [`matmul_bf16`]`(x, wᵀ)`, but with the weight's gradient handed back in w's own layout.
+/// Through `matmul_bf16(x, &w.t())` it would come back as a transposed view, which candle's
+/// gradient store copies value by value (~3.7% of a bf16 training step, docs/design.md §7.17).
+pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let Some(backend) = bf16_backend() else {
+        bail!("difftx_kernels::linear_bf16: this CPU has neither AMX-BF16 nor AVX512_BF16");
+    };
+    check_operands("linear_bf16", x, &w.t()?)?;
+    x.apply_op2(&w.contiguous()?, LinearBf16 { backend: Some(backend) })
+}
+
+/// [`linear_bf16`] on the emulated product of [`matmul_bf16_emulated`] (any CPU).
+pub fn linear_bf16_emulated(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check_operands("linear_bf16_emulated", x, &w.t()?)?;
+    x.apply_op2(&w.contiguous()?, LinearBf16 { backend: None })
+}
+
+/// `x·wᵀ` with w contiguous `[n, k]`; `backend` None: the emulated reference.
+struct LinearBf16 {
+    backend: Option<Bf16Backend>,
+}
+
+impl CustomOp2 for LinearBf16 {
+    fn name(&self) -> &'static str {
+        "difftx-linear-bf16"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let w = view(s2, l2)?;
+        let wt = MatRef { rows: w.cols, cols: w.rows, rs: w.cs, cs: w.rs, ..w };
+        MatmulBf16 { backend: self.backend }.product(view(s1, l1)?, wt)
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.to_dtype(DType::F32)?;
+        let product = |a: &Tensor, b: &Tensor| a.apply_op2(b, MatmulBf16 { backend: self.backend });
+        // dw = (xᵀ·dy)ᵀ: the product in the order whose packing is fast (§7.15 of
+        // docs/design.md: dyᵀ·x measured slower), then a blocked transpose into w's layout.
+        let dwt = product(&x.t()?, &dy)?;
+        let (k, n) = dwt.dims2()?;
+        let dw = crate::cpu::with_slice(&dwt, |v| Tensor::from_vec(transposed(v, k, n), (n, k), w.device()))?;
+        Ok((Some(product(&dy, w)?), Some(dw)))
+    }
+}
+
+/// Side of the square blocks [`transposed`] copies (32 f32 rows: 4 KiB read and written per block).
+const TRANSPOSE_BLOCK: usize = 32;
+
+/// `x` (`[rows, cols]`, row-major) transposed into a new row-major `[cols, rows]`, on the pool:
+/// each task writes 32 whole rows of the result, block by block, so that both sides of a block
+/// stay in L1 (a value-by-value strided copy walks the source a cache line per value).
+fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    assert_eq!(x.len(), rows * cols, "transposed: {rows}x{cols} values");
+    if rows == 0 {
+        return Vec::new();
+    }
+    // SAFETY: each chunk is TRANSPOSE_BLOCK whole rows of the result (the last one fewer), and
+    // for every one of its rows j every column i < rows is written.
+    unsafe {
+        crate::cpu::par_output_uninit(rows * cols, TRANSPOSE_BLOCK * rows, |c, out| {
+            let (j0, width) = (c * TRANSPOSE_BLOCK, out.len() / rows);
+            for i0 in (0..rows).step_by(TRANSPOSE_BLOCK) {
+                for i in i0..(i0 + TRANSPOSE_BLOCK).min(rows) {
+                    let src = &x[i * cols + j0..i * cols + j0 + width];
+                    for (jj, &v) in src.iter().enumerate() {
+                        out[jj * rows + i].write(v);
+                    }
+                }
+            }
+        })
     }
 }
 
@@ -1019,6 +1099,16 @@ mod tests {
             matmul_into(backend, a_t, b_t, &mut strided).unwrap();
             matmul_into(backend, a_c, b_c, &mut contiguous).unwrap();
             assert_eq!(strided, contiguous, "{backend:?}");
+        }
+    }
+
+    #[test]
+    fn transposed_equals_the_value_by_value_transpose() {
+        // Block edges on both sides, one row or column, fewer values than a block, none.
+        for (rows, cols) in [(0, 5), (5, 0), (1, 1), (1, 70), (70, 1), (31, 33), (64, 32), (100, 257)] {
+            let x: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            let want: Vec<f32> = (0..rows * cols).map(|v| x[(v % rows) * cols + v / rows]).collect();
+            assert_eq!(transposed(&x, rows, cols), want, "{rows}x{cols}");
         }
     }
 

@@ -25,8 +25,9 @@
 //!   head, with a λ per position.
 //! * [`flash_attention`]: fused causal attention (GQA, KV-cache offset, `dv != dk`) with a
 //!   FlashAttention-2 style backward; memory O(T·d), never an N×N score map.
-//! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16), the
-//!   linear layers of `--precision bf16`; [`bf16_matmul`] holds the slice-level kernels.
+//! * [`matmul_bf16`]: a matrix product with bf16 inputs and f32 sums (AMX or AVX512_BF16);
+//!   [`linear_bf16`] the same product as the linear layers of `--precision bf16` use it (the
+//!   weight's gradient in the weight's layout); [`bf16_matmul`] holds the slice-level kernels.
 //! * [`decode`]: the plain-slice pieces of one decode step (matrix-vector products, one attention
 //!   row, SwiGLU) for the fused decoder; inference only, no backward.
 //! * [`team`]: hot helper threads that the decode step's splits run on (rayon's workers fall
@@ -57,7 +58,9 @@ mod softmax;
 mod swiglu;
 pub mod team;
 
-pub use bf16_matmul::{bf16_backend, matmul_bf16, matmul_bf16_emulated, Bf16Backend};
+pub use bf16_matmul::{
+    bf16_backend, linear_bf16, linear_bf16_emulated, matmul_bf16, matmul_bf16_emulated, Bf16Backend,
+};
 pub use cross_entropy::cross_entropy;
 pub use diff_attention::{diff_attention, diff_v2_attention};
 pub use diff_combine::{diff_combine, diff_combine_pairs, PairLayout};

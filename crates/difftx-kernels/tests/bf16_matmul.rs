@@ -82,6 +82,31 @@ fn kernel_matches_the_emulation_forward_and_backward() {
 }
 
 #[test]
+fn linear_equals_the_product_with_the_transposed_weight() {
+    // linear_bf16(x, w) against matmul_bf16(x, wᵀ): the same products, so the same bits forward
+    // and in both gradients; only the weight gradient's route (a blocked transpose instead of
+    // candle's strided copy) differs. Shapes with partial 32-blocks on every side.
+    type Product = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+    let mut pairs: Vec<(&str, Product, Product)> =
+        vec![("emulated", difftx_kernels::linear_bf16_emulated, |x, w| matmul_bf16_emulated(x, &w.t()?))];
+    if bf16_backend().is_some() {
+        pairs.push(("kernel", difftx_kernels::linear_bf16, |x, w| matmul_bf16(x, &w.t()?)));
+    }
+    for (m, k, n) in [(1, 1, 1), (3, 5, 7), (70, 100, 45), (45, 1000, 700)] {
+        let x = rand_t(&[m, k], 1, 2.0, DType::F32).unwrap();
+        let w = rand_t(&[n, k], 2, 2.0, DType::F32).unwrap();
+        let g = rand_t(&[m, n], 3, 1.0, DType::F32).unwrap();
+        for &(label, linear, product) in &pairs {
+            let (y, dx, dw) = run(linear, &x, &w, &g);
+            let (y2, dx2, dw2) = run(product, &x, &w, &g);
+            for (what, a, b) in [("y", &y, &y2), ("dx", &dx, &dx2), ("dw", &dw, &dw2)] {
+                assert_eq!(flat(a), flat(b), "{label} {m}x{k}x{n}: {what}");
+            }
+        }
+    }
+}
+
+#[test]
 fn bf16_stays_within_bf16_error_of_f32() {
     // Against the exact f32 product: inputs carry 8 significant bits.
     let a = rand_t(&[64, 256], 1, 1.0, DType::F32).unwrap();
