@@ -4,13 +4,15 @@
 //! candle's `x.matmul(&w.t())` gets the weight's gradient as `xᵀ·dy` (`[in, out]`) and then
 //! through the transpose's backward as a strided view of it, which its gradient store copies
 //! element by element into a contiguous `[out, in]` (~1.5% of a bench-s training step). Here
-//! `dw = dyᵀ·x` is one product into `[out, in]` (gemm reads the transposed operand by strides)
-//! and `dx = dy·w` the other; the forward is the same gemm product candle runs.
+//! `dw = dyᵀ·x` is computed straight into `[out, in]` (gemm reads the transposed operand by
+//! strides; the sum over tokens split into parts, see [`weight_grad`]) and `dx = dy·w` is
+//! candle's product; the forward is the same gemm product candle runs.
 
-use crate::cpu::storage_slice;
+use crate::cpu::{storage_slice, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// `x·wᵀ` for x `[.., in]` and w `[out, in]`: `[.., out]`, with backward for both. f32 and f64.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -74,6 +76,71 @@ fn forward<T: Float>(x: &[T], w: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
     y
 }
 
+/// Tokens per part of [`weight_grad`]'s sum (bench-s: 2048 tokens in 4 parts).
+const WEIGHT_GRAD_PART: usize = 512;
+
+/// Output values per task of the parts' sum.
+const SUM_CHUNK: usize = 1 << 14;
+
+/// `dw = dyᵀ·x` (`[n, k]`, row-major) for dy `[m, n]` and x `[m, k]`. The sum over the m tokens
+/// is split into parts of [`WEIGHT_GRAD_PART`] tokens, each one single-threaded gemm on the pool
+/// into its own buffer, and the parts are then added in order (so the bits do not depend on the
+/// number of threads). gemm threading one long product splits the small `[n, k]` output and
+/// walks the sum in steps with a fork-join each: 225–301 GFLOP/s at bench-s shapes against
+/// 334–370 split (docs/design.md §7.17).
+fn weight_grad<T: Float>(dy: &[T], x: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
+    assert!(dy.len() == m * n && x.len() == m * k, "weight_grad: dy {m}x{n}, x {m}x{k}");
+    let len = n * k;
+    if len == 0 {
+        return Vec::new();
+    }
+    let parts = m.div_ceil(WEIGHT_GRAD_PART).max(1);
+    let mut buf: Vec<T> = Vec::with_capacity(parts * len);
+    buf.spare_capacity_mut()[..parts * len].par_chunks_mut(len).enumerate().for_each(|(p, out)| {
+        let (t0, t1) = ((p * WEIGHT_GRAD_PART).min(m), ((p + 1) * WEIGHT_GRAD_PART).min(m));
+        // SAFETY: dy rows t0..t1 ([t1 - t0, n]) and x rows t0..t1 ([t1 - t0, k]) lie inside the
+        // slices (asserted lengths), `out` holds n·k values; with `read_dst` false gemm writes
+        // every one of them (an empty sum included: zeros; vendor/README.md lists its paths).
+        unsafe {
+            gemm::gemm(
+                n,
+                k,
+                t1 - t0,
+                out.as_mut_ptr() as *mut T,
+                1,
+                k as isize,
+                false,
+                dy[t0 * n..].as_ptr(),
+                n as isize,
+                1,
+                x[t0 * k..].as_ptr(),
+                1,
+                k as isize,
+                T::ZERO,
+                T::ONE,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+    // SAFETY: every part's gemm wrote all of its n·k values.
+    unsafe { buf.set_len(parts * len) };
+    let (sum, rest) = buf.split_at_mut(len);
+    if parts > 1 {
+        sum.par_chunks_mut(SUM_CHUNK).enumerate().for_each(|(i, c)| {
+            for part in rest.chunks_exact(len) {
+                for (y, &v) in c.iter_mut().zip(&part[i * SUM_CHUNK..]) {
+                    *y += v;
+                }
+            }
+        });
+    }
+    buf.truncate(len);
+    buf
+}
+
 fn fwd_typed<T: Float>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
     let (x, w) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
     let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
@@ -100,9 +167,20 @@ impl CustomOp2 for Linear {
         let dy = dy.to_dtype(x.dtype())?;
         // dx = dy·w [m, k]; dw = dyᵀ·x [n, k], gemm reading dy transposed by its strides
         let dx = dy.matmul(w)?;
-        let dw = dy.t()?.matmul(x)?;
+        let ((m, k), n) = (x.dims2()?, w.dim(0)?);
+        let dw = match x.dtype() {
+            DType::F32 => weight_grad_tensor::<f32>(&dy, x, m, n, k)?,
+            DType::F64 => weight_grad_tensor::<f64>(&dy, x, m, n, k)?,
+            dt => bail!("difftx-linear: unsupported dtype {dt:?}"),
+        };
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// [`weight_grad`] of two tensors, as a `[n, k]` tensor.
+fn weight_grad_tensor<T: Float>(dy: &Tensor, x: &Tensor, m: usize, n: usize, k: usize) -> Result<Tensor> {
+    let dw = with_slice::<T, _>(dy, |dy| with_slice::<T, _>(x, |x| Ok(weight_grad(dy, x, m, n, k))))?;
+    Tensor::from_vec(dw, (n, k), x.device())
 }
 
 #[cfg(test)]
@@ -116,8 +194,14 @@ mod tests {
     fn equals_candle_matmul_forward_and_backward() -> Result<()> {
         let dev = Device::Cpu;
         for dt in [DType::F32, DType::F64] {
-            for (lead, inp, out) in [(vec![1], 1, 1), (vec![37], 5, 7), (vec![3, 100], 64, 33), (vec![2048], 256, 704)]
-            {
+            for (lead, inp, out) in [
+                (vec![1], 1, 1),
+                (vec![0], 5, 7),
+                (vec![37], 5, 7),
+                (vec![3, 100], 64, 33),
+                (vec![2, 550], 64, 33),
+                (vec![2048], 256, 704),
+            ] {
                 let mut xd = lead.clone();
                 xd.push(inp);
                 let x = Var::from_tensor(&Tensor::randn(0f64, 1.0, xd.as_slice(), &dev)?.to_dtype(dt)?)?;
