@@ -225,11 +225,7 @@ impl DiffAttn {
     /// The value both maps of a pair multiply, per kv head: diff-v1's pair values, diff-v2's `v`.
     fn values<'a, T: Float>(&self, v: &'a [T]) -> Cow<'a, [T]> {
         match self.maps {
-            Maps::V1(_) => {
-                let mut v2 = zeros::<T>(2 * v.len());
-                self.pair_values().fwd(v, &mut v2);
-                Cow::Owned(v2)
-            }
+            Maps::V1(_) => Cow::Owned(self.pair_values().fwd(v)),
             Maps::V2 => Cow::Borrowed(v),
         }
     }
@@ -579,8 +575,7 @@ fn fwd_typed<T: Float>(
     let (q, k, vl) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
     let (v, lambda) = vl.split_at(op.value_len());
     let (o, lse) = op.attend(q, k, v);
-    let mut z = zeros::<T>(o.len() / 2);
-    op.combine().fwd(&o, lambda, &mut z);
+    let z = op.combine().fwd(&o, lambda);
     *op.saved.lock().unwrap() = Some((T::to_cpu_storage_owned(o), T::to_cpu_storage_owned(lse)));
     Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[d.b, d.hq / 2, d.t, d.dv])))
 }

@@ -4,7 +4,7 @@
 //! Layout: `o1`, `o2`, `z` are row-major of one shape (any rank); `lambda` has one element.
 //! Backward: do1 = dz,  do2 = -λ·dz,  dλ = -Σ dz·o2 (summed in fixed chunks, in order).
 
-use crate::cpu::{storage_slice, with_slice, zeros};
+use crate::cpu::{par_output_uninit, storage_slice, with_slice, zeros};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -197,20 +197,28 @@ impl DiffCombinePairs {
         }
     }
 
-    pub(crate) fn fwd<T: Float>(&self, x: &[T], lam: &[T], z: &mut [T]) {
-        if self.inner == 0 {
-            return; // no positions (T = 0) or zero-width heads: nothing to combine
+    /// The combination `[outer, inner]` of `x` `[outer, 2, inner]`, written once on the pool (no
+    /// zero fill first).
+    pub(crate) fn fwd<T: Float>(&self, x: &[T], lam: &[T]) -> Vec<T> {
+        let (outer, inner) = (self.outer, self.inner);
+        assert_eq!(x.len(), 2 * outer * inner, "diff_combine_pairs: x holds outer·2·inner values");
+        if inner == 0 {
+            return Vec::new(); // no positions (T = 0) or zero-width heads: nothing to combine
         }
-        z.par_chunks_mut(self.inner).zip(x.par_chunks(2 * self.inner)).enumerate().for_each(|(o, (zr, xr))| {
-            let (a, b) = xr.split_at(self.inner);
-            let step = if self.width == 0 { self.inner } else { self.width };
-            for (c, ((zc, ac), bc)) in zr.chunks_mut(step).zip(a.chunks(step)).zip(b.chunks(step)).enumerate() {
-                let l = self.lambda_at(lam, o, c * step);
-                for ((out, &u), &v) in zc.iter_mut().zip(ac).zip(bc) {
-                    *out = u - l * v;
+        let step = if self.width == 0 { inner } else { self.width };
+        // SAFETY: the output is `outer` chunks of `inner` values (asserted length of x), and the
+        // loop writes every value of each chunk from its row of x.
+        unsafe {
+            par_output_uninit(outer * inner, inner, |o, zr| {
+                let (a, b) = x[2 * o * inner..2 * (o + 1) * inner].split_at(inner);
+                for (c, ((zc, ac), bc)) in zr.chunks_mut(step).zip(a.chunks(step)).zip(b.chunks(step)).enumerate() {
+                    let l = self.lambda_at(lam, o, c * step);
+                    for ((out, &u), &v) in zc.iter_mut().zip(ac).zip(bc) {
+                        out.write(u - l * v);
+                    }
                 }
-            }
-        });
+            })
+        }
     }
 
     /// Writes dx and dλ (one element, or one per position).
@@ -308,8 +316,7 @@ impl CustomOp2 for DiffCombinePairs {
             l2: &Layout,
         ) -> Result<(CpuStorage, Shape)> {
             let (x, lam) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?);
-            let mut z = zeros::<T>(op.outer * op.inner);
-            op.fwd(x, lam, &mut z);
+            let z = op.fwd(x, lam);
             Ok((T::to_cpu_storage_owned(z), Shape::from_dims(&[op.outer * op.inner])))
         }
         match s1.dtype() {
