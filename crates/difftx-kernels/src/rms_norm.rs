@@ -5,7 +5,7 @@
 //! Forward:  r = 1 / sqrt(mean(x^2) + eps),  u = x * r,  y = u * gain
 //! Backward: gg = dy * gain,  dx = r * (gg - u * mean(gg * u)),  dgain = sum_rows(dy * u)
 
-use crate::cpu::{as_uninit, min_rows, par_output_uninit, rows_cols, storage_slice, with_slice, zeros};
+use crate::cpu::{as_uninit, min_rows, par_output_uninit, rows_cols, storage_slice, with_slice, BEST_ISA};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -70,28 +70,147 @@ pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n
     if n == 0 {
         return;
     }
-    let eps = T::from_f64(eps);
-    y.par_chunks_mut(n).zip(x.par_chunks(n)).with_min_len(min_rows(n, 8192)).for_each(|(yr, xr)| {
-        // SAFETY: norm_row writes only initialised values.
-        norm_row(xr, gain, eps, unsafe { as_uninit(yr) });
+    let (eps, (fwd_rows, _)) = (T::from_f64(eps), simd::pick::<T>(BEST_ISA));
+    let rows = min_rows(n, 8192);
+    y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * n)).for_each(|(yc, xc)| {
+        // SAFETY: the row loop writes only initialised values.
+        fwd_rows(xc, gain, eps, n, unsafe { as_uninit(yc) });
     });
 }
 
 /// The forward into a new buffer, written on the pool (see [`par_output_uninit`]).
 fn rms_norm_fwd_new<T: Float>(x: &[T], gain: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
+    rms_norm_fwd_new_at(BEST_ISA, x, gain, n, eps)
+}
+
+/// [`rms_norm_fwd_new`] with the row loop for instruction-set level `isa` at most.
+fn rms_norm_fwd_new_at<T: Float>(isa: u8, x: &[T], gain: Option<&[T]>, n: usize, eps: f64) -> Vec<T> {
     if n == 0 {
         return Vec::new();
     }
     assert!(x.len().is_multiple_of(n) && gain.is_none_or(|g| g.len() == n), "rms_norm: rows of {n} and a gain of {n}");
-    let (eps, rows) = (T::from_f64(eps), min_rows(n, 8192));
+    let (eps, rows, (fwd_rows, _)) = (T::from_f64(eps), min_rows(n, 8192), simd::pick::<T>(isa));
     // SAFETY: every chunk is whole rows of n (x.len() is a multiple of n, and so is the chunk),
-    // and norm_row writes all n values of a row when the gain has n values.
-    unsafe {
-        par_output_uninit(x.len(), rows * n, |i, y| {
-            for (yr, xr) in y.chunks_mut(n).zip(x[i * rows * n..].chunks(n)) {
-                norm_row(xr, gain, eps, yr);
+    // and the row loop writes all n values of each row when the gain has n values.
+    unsafe { par_output_uninit(x.len(), rows * n, |i, y| fwd_rows(&x[i * rows * n..][..y.len()], gain, eps, n, y)) }
+}
+
+/// Rows of n of the forward: each row of `y` (as many values as `x`) from its row of `x`.
+#[inline(always)]
+fn fwd_rows<T: Float>(x: &[T], gain: Option<&[T]>, eps: T, n: usize, y: &mut [MaybeUninit<T>]) {
+    for (yr, xr) in y.chunks_mut(n).zip(x.chunks(n)) {
+        norm_row(xr, gain, eps, yr);
+    }
+}
+
+/// Rows of n of the backward: each row of `dx` (as many values as `x` and `dy`) from its rows of
+/// `x` and `dy`; with a gain, each row's `dy ∘ u` is added into `dg`.
+#[inline(always)]
+fn bwd_rows<T: Float>(
+    x: &[T],
+    dy: &[T],
+    gain: Option<&[T]>,
+    eps: T,
+    n: usize,
+    dx: &mut [MaybeUninit<T>],
+    mut dg: Option<&mut [T]>,
+) {
+    let inv_n = T::ONE / T::from_f64(n as f64);
+    for ((dxr, xr), gr) in dx.chunks_mut(n).zip(x.chunks(n)).zip(dy.chunks(n)) {
+        let r = inv_rms(xr, eps);
+        // c = mean(dy * gain * u), u = x * r
+        let c = match gain {
+            Some(g) => sum_products(xr, |k| gr[k] * g[k]),
+            None => sum_products(xr, |k| gr[k]),
+        } * r
+            * inv_n;
+        match (gain, dg.as_deref_mut()) {
+            (Some(g), Some(dg)) => {
+                for ((((o, &xv), &gv), &w), d) in dxr.iter_mut().zip(xr).zip(gr).zip(g).zip(dg.iter_mut()) {
+                    let u = xv * r;
+                    o.write(r * (gv * w - u * c));
+                    *d += gv * u;
+                }
             }
-        })
+            _ => {
+                for ((o, &xv), &gv) in dxr.iter_mut().zip(xr).zip(gr) {
+                    o.write(r * (gv - xv * r * c));
+                }
+            }
+        }
+    }
+}
+
+/// `Σ_k f(k)·x[k]` over 8 lanes, like [`sum_sq`] (a serial sum did not vectorise: one dependent
+/// add per value).
+#[inline(always)]
+fn sum_products<T: Float>(x: &[T], f: impl Fn(usize) -> T) -> T {
+    let mut acc = [T::ZERO; 8];
+    let whole = x.len() / 8 * 8;
+    for k0 in (0..whole).step_by(8) {
+        for k in 0..8 {
+            acc[k] += f(k0 + k) * x[k0 + k];
+        }
+    }
+    let mut s = T::ZERO;
+    for (k, &v) in x.iter().enumerate().skip(whole) {
+        s += f(k) * v;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
+/// The row loops compiled for each instruction set (the crate is built for baseline x86-64).
+mod simd {
+    use super::*;
+
+    pub(super) type FwdFn<T> = fn(&[T], Option<&[T]>, T, usize, &mut [MaybeUninit<T>]);
+    pub(super) type BwdFn<T> = fn(&[T], &[T], Option<&[T]>, T, usize, &mut [MaybeUninit<T>], Option<&mut [T]>);
+
+    macro_rules! variants {
+        ($feat:literal, $fwd:ident, $bwd:ident) => {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $fwd<T: Float>(x: &[T], gain: Option<&[T]>, eps: T, n: usize, y: &mut [MaybeUninit<T>]) {
+                fwd_rows(x, gain, eps, n, y)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feat)]
+            unsafe fn $bwd<T: Float>(
+                x: &[T],
+                dy: &[T],
+                gain: Option<&[T]>,
+                eps: T,
+                n: usize,
+                dx: &mut [MaybeUninit<T>],
+                dg: Option<&mut [T]>,
+            ) {
+                bwd_rows(x, dy, gain, eps, n, dx, dg)
+            }
+        };
+    }
+    variants!("avx2,fma", fwd_avx2, bwd_avx2);
+    variants!("avx512f,avx2,fma", fwd_avx512, bwd_avx512);
+
+    /// The row loops for the best instruction set this CPU has, capped at `max`.
+    pub(super) fn pick<T: Float>(max: u8) -> (FwdFn<T>, BwdFn<T>) {
+        match crate::cpu::isa_level(max) {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            #[cfg(target_arch = "x86_64")]
+            2 => (
+                |x, g, e, n, y| unsafe { fwd_avx512(x, g, e, n, y) },
+                |x, dy, g, e, n, dx, dg| unsafe { bwd_avx512(x, dy, g, e, n, dx, dg) },
+            ),
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            1 => (
+                |x, g, e, n, y| unsafe { fwd_avx2(x, g, e, n, y) },
+                |x, dy, g, e, n, dx, dg| unsafe { bwd_avx2(x, dy, g, e, n, dx, dg) },
+            ),
+            _ => (fwd_rows, bwd_rows),
+        }
     }
 }
 
@@ -114,73 +233,58 @@ fn norm_row<T: Float>(xr: &[T], gain: Option<&[T]>, eps: T, yr: &mut [MaybeUnini
     }
 }
 
-/// Backward kernel: writes `dx` and returns `dgain` (summed over rows) when `gain` is given.
+/// Backward kernel: `dx` (a new buffer, written on the pool) and, when `gain` is given,
+/// `dgain` (summed over rows: each chunk of rows' part, then the parts in order).
 pub(crate) fn rms_norm_bwd<T: Float>(
     x: &[T],
     gain: Option<&[T]>,
     dy: &[T],
-    dx: &mut [T],
     n: usize,
     eps: f64,
-) -> Option<Vec<T>> {
+) -> (Vec<T>, Option<Vec<T>>) {
+    rms_norm_bwd_at(BEST_ISA, x, gain, dy, n, eps)
+}
+
+/// [`rms_norm_bwd`] with the row loop for instruction-set level `isa` at most.
+fn rms_norm_bwd_at<T: Float>(
+    isa: u8,
+    x: &[T],
+    gain: Option<&[T]>,
+    dy: &[T],
+    n: usize,
+    eps: f64,
+) -> (Vec<T>, Option<Vec<T>>) {
     if n == 0 {
-        return gain.map(|_| Vec::new());
+        return (Vec::new(), gain.map(|_| Vec::new()));
     }
-    let eps_t = T::from_f64(eps);
-    let inv_n = T::ONE / T::from_f64(n as f64);
-    let partials = dx
-        .par_chunks_mut(n)
-        .zip(x.par_chunks(n).zip(dy.par_chunks(n)))
-        .with_min_len(min_rows(n, 8192))
-        .fold(
-            || gain.map(|_| vec![T::ZERO; n]),
-            |mut dg, (dxr, (xr, gr))| {
-                let r = inv_rms(xr, eps_t);
-                // c = mean(dy * gain * u), u = x * r
-                let mut c = T::ZERO;
-                match gain {
-                    Some(g) => {
-                        for ((&xv, &gv), &w) in xr.iter().zip(gr).zip(g) {
-                            c += gv * w * xv;
-                        }
-                    }
-                    None => {
-                        for (&xv, &gv) in xr.iter().zip(gr) {
-                            c += gv * xv;
-                        }
-                    }
-                }
-                c = c * r * inv_n;
-                match (gain, dg.as_mut()) {
-                    (Some(g), Some(dg)) => {
-                        for ((((o, &xv), &gv), &w), d) in dxr.iter_mut().zip(xr).zip(gr).zip(g).zip(dg.iter_mut()) {
-                            let u = xv * r;
-                            *o = r * (gv * w - u * c);
-                            *d += gv * u;
-                        }
-                    }
-                    _ => {
-                        for ((o, &xv), &gv) in dxr.iter_mut().zip(xr).zip(gr) {
-                            *o = r * (gv - xv * r * c);
-                        }
-                    }
-                }
-                dg
-            },
-        )
-        .reduce(
-            || gain.map(|_| vec![T::ZERO; n]),
-            |a, b| match (a, b) {
-                (Some(mut a), Some(b)) => {
-                    for (x, y) in a.iter_mut().zip(b) {
-                        *x += y;
-                    }
-                    Some(a)
-                }
-                _ => None,
-            },
-        );
-    partials
+    assert!(
+        x.len().is_multiple_of(n) && dy.len() == x.len() && gain.is_none_or(|g| g.len() == n),
+        "rms_norm: rows of {n}, a gradient as long as x and a gain of {n}"
+    );
+    let (eps, rows, (_, bwd_rows)) = (T::from_f64(eps), min_rows(n, 8192), simd::pick::<T>(isa));
+    let mut dx = Vec::with_capacity(x.len());
+    let parts: Vec<Option<Vec<T>>> = dx.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(rows * n)
+        .zip(x.par_chunks(rows * n).zip(dy.par_chunks(rows * n)))
+        .map(|(dxc, (xc, gc))| {
+            let mut dg = gain.map(|_| vec![T::ZERO; n]);
+            bwd_rows(xc, gc, gain, eps, n, dxc, dg.as_deref_mut());
+            dg
+        })
+        .collect();
+    // SAFETY: the chunks cover dx's x.len() values in whole rows of n (asserted lengths), and
+    // the row loop writes every value of each row.
+    unsafe { dx.set_len(x.len()) };
+    let dg = gain.map(|_| {
+        let mut dg = vec![T::ZERO; n];
+        for part in parts.iter().flatten() {
+            for (d, &p) in dg.iter_mut().zip(part) {
+                *d += p;
+            }
+        }
+        dg
+    });
+    (dx, dg)
 }
 
 fn fwd_typed<T: Float>(
@@ -202,13 +306,7 @@ fn fwd_typed<T: Float>(
 fn bwd_typed<T: Float>(x: &Tensor, gain: Option<&Tensor>, grad: &Tensor, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
     let (_, n) = rows_cols(x.dims())?;
     let run = |g: Option<&[T]>| -> Result<(Vec<T>, Option<Vec<T>>)> {
-        with_slice::<T, _>(x, |xs| {
-            with_slice::<T, _>(grad, |gr| {
-                let mut dx = zeros::<T>(xs.len());
-                let dg = rms_norm_bwd(xs, g, gr, &mut dx, n, eps);
-                Ok((dx, dg))
-            })
-        })
+        with_slice::<T, _>(x, |xs| with_slice::<T, _>(grad, |gr| Ok(rms_norm_bwd(xs, g, gr, n, eps))))
     };
     let (dx, dg) = match gain {
         Some(g) => with_slice::<T, _>(g, |gs| run(Some(gs)))?,
@@ -279,6 +377,31 @@ impl CustomOp2 for RmsNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The row loops compiled for each instruction set give the same bits (no FMA contraction:
+    /// the same operations in the same order), forward and backward, with and without a gain,
+    /// on row counts that do not fill the last chunk and rows that do not fill the 8 lanes.
+    #[test]
+    fn every_isa_level_gives_the_same_bits() {
+        fn check<T: Float + std::fmt::Debug>(from: impl Fn(f64) -> T) {
+            for (rows, n) in [(1, 5), (37, 256), (100, 7), (3, 8192)] {
+                let x: Vec<T> = (0..rows * n).map(|i| from((i as f64 * 0.37).sin())).collect();
+                let dy: Vec<T> = (0..rows * n).map(|i| from((i as f64 * 0.23).cos())).collect();
+                let g: Vec<T> = (0..n).map(|i| from(1.0 + (i as f64 * 0.11).cos())).collect();
+                for gain in [None, Some(&g[..])] {
+                    let run = |isa| {
+                        (rms_norm_fwd_new_at(isa, &x, gain, n, 1e-6), rms_norm_bwd_at(isa, &x, gain, &dy, n, 1e-6))
+                    };
+                    let base = run(0);
+                    for isa in 1..=BEST_ISA {
+                        assert!(run(isa) == base, "isa {isa}, rows {rows} n {n}, gain {}", gain.is_some());
+                    }
+                }
+            }
+        }
+        check(|v| v as f32);
+        check(|v| v);
+    }
 
     /// The op's forward (its own buffer, chunks of rows) gives the decoder's kernel's bits, with
     /// and without a gain, on row counts that do not fill the last chunk.
