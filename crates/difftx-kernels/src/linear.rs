@@ -45,35 +45,51 @@ fn forward<T: Float>(x: &[T], w: &[T], m: usize, n: usize, k: usize) -> Vec<T> {
     let threads = rayon::current_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     if m > 0 && n > 0 {
-        // SAFETY: x holds m·k values, w n·k and y's buffer m·n (asserted by the caller's
-        // shapes); with `read_dst` false gemm writes every element of y (k = 0 included: zeros;
-        // vendor/README.md lists its paths), so the length is set after it.
+        // SAFETY: x holds m·k values (row-major), w n·k (read as wᵀ) and y's buffer m·n
+        // (asserted by the caller's shapes); `product_into` writes every element of y, so the
+        // length is set after it.
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                y.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                T::ZERO,
-                T::ONE,
-                false,
-                false,
-                false,
-                parallelism,
-            );
+            product_into(y.as_mut_ptr(), (m, n, k), (x.as_ptr(), k, 1), (w.as_ptr(), 1, k), parallelism);
             y.set_len(m * n);
         }
     }
     y
+}
+
+/// `dst = A·B` (`m×n`, row-major, overwritten) by gemm, A `m×k` and B `k×n` given as
+/// `(pointer, row stride, column stride)`.
+///
+/// # Safety
+/// `dst` must hold m·n values and each view lie inside its data. With `read_dst` false gemm
+/// writes every element of dst (k = 0 included: zeros; vendor/README.md lists its paths).
+unsafe fn product_into<T: Float>(
+    dst: *mut T,
+    (m, n, k): (usize, usize, usize),
+    (a, a_rs, a_cs): (*const T, usize, usize),
+    (b, b_rs, b_cs): (*const T, usize, usize),
+    parallelism: gemm::Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        n as isize,
+        false,
+        a,
+        a_cs as isize,
+        a_rs as isize,
+        b,
+        b_cs as isize,
+        b_rs as isize,
+        T::ZERO,
+        T::ONE,
+        false,
+        false,
+        false,
+        parallelism,
+    )
 }
 
 /// Tokens per part of [`weight_grad`]'s sum (bench-s: 2048 tokens in 4 parts).
@@ -98,31 +114,12 @@ fn weight_grad<T: Float>(dy: &[T], x: &[T], m: usize, n: usize, k: usize) -> Vec
     let mut buf: Vec<T> = Vec::with_capacity(parts * len);
     buf.spare_capacity_mut()[..parts * len].par_chunks_mut(len).enumerate().for_each(|(p, out)| {
         let (t0, t1) = ((p * WEIGHT_GRAD_PART).min(m), ((p + 1) * WEIGHT_GRAD_PART).min(m));
-        // SAFETY: dy rows t0..t1 ([t1 - t0, n]) and x rows t0..t1 ([t1 - t0, k]) lie inside the
-        // slices (asserted lengths), `out` holds n·k values; with `read_dst` false gemm writes
-        // every one of them (an empty sum included: zeros; vendor/README.md lists its paths).
+        // SAFETY: dy rows t0..t1 (read as dyᵀ, [n, t1 - t0]) and x rows t0..t1 ([t1 - t0, k])
+        // lie inside the slices (asserted lengths), and `out` holds n·k values, every one of
+        // which `product_into` writes (an empty sum included: zeros).
         unsafe {
-            gemm::gemm(
-                n,
-                k,
-                t1 - t0,
-                out.as_mut_ptr() as *mut T,
-                1,
-                k as isize,
-                false,
-                dy[t0 * n..].as_ptr(),
-                n as isize,
-                1,
-                x[t0 * k..].as_ptr(),
-                1,
-                k as isize,
-                T::ZERO,
-                T::ONE,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
+            let (dyt, xs) = ((dy[t0 * n..].as_ptr(), 1, n), (x[t0 * k..].as_ptr(), k, 1));
+            product_into(out.as_mut_ptr() as *mut T, (n, k, t1 - t0), dyt, xs, gemm::Parallelism::None)
         }
     });
     // SAFETY: every part's gemm wrote all of its n·k values.

@@ -72,9 +72,9 @@ pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n
     }
     let (eps, (fwd_rows, _)) = (T::from_f64(eps), simd::pick::<T>(BEST_ISA));
     let rows = min_rows(n, 8192);
-    y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * n)).for_each(|(yc, xc)| {
+    y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * n)).for_each(|(yc, x)| {
         // SAFETY: the row loop writes only initialised values.
-        fwd_rows(xc, gain, eps, n, unsafe { as_uninit(yc) });
+        fwd_rows(&RowsIn { x, gain, eps, n }, unsafe { as_uninit(yc) });
     });
 }
 
@@ -92,29 +92,34 @@ fn rms_norm_fwd_new_at<T: Float>(isa: u8, x: &[T], gain: Option<&[T]>, n: usize,
     let (eps, rows, (fwd_rows, _)) = (T::from_f64(eps), min_rows(n, 8192), simd::pick::<T>(isa));
     // SAFETY: every chunk is whole rows of n (x.len() is a multiple of n, and so is the chunk),
     // and the row loop writes all n values of each row when the gain has n values.
-    unsafe { par_output_uninit(x.len(), rows * n, |i, y| fwd_rows(&x[i * rows * n..][..y.len()], gain, eps, n, y)) }
+    unsafe {
+        par_output_uninit(x.len(), rows * n, |i, y| {
+            fwd_rows(&RowsIn { x: &x[i * rows * n..][..y.len()], gain, eps, n }, y)
+        })
+    }
+}
+
+/// What the row loops read besides the gradient: whole rows of `n` values of x, the gain, eps.
+struct RowsIn<'a, T> {
+    x: &'a [T],
+    gain: Option<&'a [T]>,
+    eps: T,
+    n: usize,
 }
 
 /// Rows of n of the forward: each row of `y` (as many values as `x`) from its row of `x`.
 #[inline(always)]
-fn fwd_rows<T: Float>(x: &[T], gain: Option<&[T]>, eps: T, n: usize, y: &mut [MaybeUninit<T>]) {
-    for (yr, xr) in y.chunks_mut(n).zip(x.chunks(n)) {
-        norm_row(xr, gain, eps, yr);
+fn fwd_rows<T: Float>(r: &RowsIn<T>, y: &mut [MaybeUninit<T>]) {
+    for (yr, xr) in y.chunks_mut(r.n).zip(r.x.chunks(r.n)) {
+        norm_row(xr, r.gain, r.eps, yr);
     }
 }
 
 /// Rows of n of the backward: each row of `dx` (as many values as `x` and `dy`) from its rows of
 /// `x` and `dy`; with a gain, each row's `dy ∘ u` is added into `dg`.
 #[inline(always)]
-fn bwd_rows<T: Float>(
-    x: &[T],
-    dy: &[T],
-    gain: Option<&[T]>,
-    eps: T,
-    n: usize,
-    dx: &mut [MaybeUninit<T>],
-    mut dg: Option<&mut [T]>,
-) {
+fn bwd_rows<T: Float>(rows: &RowsIn<T>, dy: &[T], dx: &mut [MaybeUninit<T>], mut dg: Option<&mut [T]>) {
+    let &RowsIn { x, gain, eps, n } = rows;
     let inv_n = T::ONE / T::from_f64(n as f64);
     for ((dxr, xr), gr) in dx.chunks_mut(n).zip(x.chunks(n)).zip(dy.chunks(n)) {
         let r = inv_rms(xr, eps);
@@ -166,28 +171,20 @@ fn sum_products<T: Float>(x: &[T], f: impl Fn(usize) -> T) -> T {
 mod simd {
     use super::*;
 
-    pub(super) type FwdFn<T> = fn(&[T], Option<&[T]>, T, usize, &mut [MaybeUninit<T>]);
-    pub(super) type BwdFn<T> = fn(&[T], &[T], Option<&[T]>, T, usize, &mut [MaybeUninit<T>], Option<&mut [T]>);
+    pub(super) type FwdFn<T> = fn(&RowsIn<T>, &mut [MaybeUninit<T>]);
+    pub(super) type BwdFn<T> = fn(&RowsIn<T>, &[T], &mut [MaybeUninit<T>], Option<&mut [T]>);
 
     macro_rules! variants {
         ($feat:literal, $fwd:ident, $bwd:ident) => {
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $fwd<T: Float>(x: &[T], gain: Option<&[T]>, eps: T, n: usize, y: &mut [MaybeUninit<T>]) {
-                fwd_rows(x, gain, eps, n, y)
+            unsafe fn $fwd<T: Float>(rows: &RowsIn<T>, y: &mut [MaybeUninit<T>]) {
+                fwd_rows(rows, y)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = $feat)]
-            unsafe fn $bwd<T: Float>(
-                x: &[T],
-                dy: &[T],
-                gain: Option<&[T]>,
-                eps: T,
-                n: usize,
-                dx: &mut [MaybeUninit<T>],
-                dg: Option<&mut [T]>,
-            ) {
-                bwd_rows(x, dy, gain, eps, n, dx, dg)
+            unsafe fn $bwd<T: Float>(rows: &RowsIn<T>, dy: &[T], dx: &mut [MaybeUninit<T>], dg: Option<&mut [T]>) {
+                bwd_rows(rows, dy, dx, dg)
             }
         };
     }
@@ -199,16 +196,10 @@ mod simd {
         match crate::cpu::isa_level(max) {
             // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
             #[cfg(target_arch = "x86_64")]
-            2 => (
-                |x, g, e, n, y| unsafe { fwd_avx512(x, g, e, n, y) },
-                |x, dy, g, e, n, dx, dg| unsafe { bwd_avx512(x, dy, g, e, n, dx, dg) },
-            ),
+            2 => (|r, y| unsafe { fwd_avx512(r, y) }, |r, dy, dx, dg| unsafe { bwd_avx512(r, dy, dx, dg) }),
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            1 => (
-                |x, g, e, n, y| unsafe { fwd_avx2(x, g, e, n, y) },
-                |x, dy, g, e, n, dx, dg| unsafe { bwd_avx2(x, dy, g, e, n, dx, dg) },
-            ),
+            1 => (|r, y| unsafe { fwd_avx2(r, y) }, |r, dy, dx, dg| unsafe { bwd_avx2(r, dy, dx, dg) }),
             _ => (fwd_rows, bwd_rows),
         }
     }
@@ -235,18 +226,8 @@ fn norm_row<T: Float>(xr: &[T], gain: Option<&[T]>, eps: T, yr: &mut [MaybeUnini
 
 /// Backward kernel: `dx` (a new buffer, written on the pool) and, when `gain` is given,
 /// `dgain` (summed over rows: each chunk of rows' part, then the parts in order).
-pub(crate) fn rms_norm_bwd<T: Float>(
-    x: &[T],
-    gain: Option<&[T]>,
-    dy: &[T],
-    n: usize,
-    eps: f64,
-) -> (Vec<T>, Option<Vec<T>>) {
-    rms_norm_bwd_at(BEST_ISA, x, gain, dy, n, eps)
-}
-
-/// [`rms_norm_bwd`] with the row loop for instruction-set level `isa` at most.
-fn rms_norm_bwd_at<T: Float>(
+/// The row loop is the one for instruction-set level `isa` at most.
+fn rms_norm_bwd<T: Float>(
     isa: u8,
     x: &[T],
     gain: Option<&[T]>,
@@ -268,7 +249,7 @@ fn rms_norm_bwd_at<T: Float>(
         .zip(x.par_chunks(rows * n).zip(dy.par_chunks(rows * n)))
         .map(|(dxc, (xc, gc))| {
             let mut dg = gain.map(|_| vec![T::ZERO; n]);
-            bwd_rows(xc, gc, gain, eps, n, dxc, dg.as_deref_mut());
+            bwd_rows(&RowsIn { x: xc, gain, eps, n }, gc, dxc, dg.as_deref_mut());
             dg
         })
         .collect();
@@ -306,7 +287,7 @@ fn fwd_typed<T: Float>(
 fn bwd_typed<T: Float>(x: &Tensor, gain: Option<&Tensor>, grad: &Tensor, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
     let (_, n) = rows_cols(x.dims())?;
     let run = |g: Option<&[T]>| -> Result<(Vec<T>, Option<Vec<T>>)> {
-        with_slice::<T, _>(x, |xs| with_slice::<T, _>(grad, |gr| Ok(rms_norm_bwd(xs, g, gr, n, eps))))
+        with_slice::<T, _>(x, |xs| with_slice::<T, _>(grad, |gr| Ok(rms_norm_bwd(BEST_ISA, xs, g, gr, n, eps))))
     };
     let (dx, dg) = match gain {
         Some(g) => with_slice::<T, _>(g, |gs| run(Some(gs)))?,
@@ -389,9 +370,8 @@ mod tests {
                 let dy: Vec<T> = (0..rows * n).map(|i| from((i as f64 * 0.23).cos())).collect();
                 let g: Vec<T> = (0..n).map(|i| from(1.0 + (i as f64 * 0.11).cos())).collect();
                 for gain in [None, Some(&g[..])] {
-                    let run = |isa| {
-                        (rms_norm_fwd_new_at(isa, &x, gain, n, 1e-6), rms_norm_bwd_at(isa, &x, gain, &dy, n, 1e-6))
-                    };
+                    let run =
+                        |isa| (rms_norm_fwd_new_at(isa, &x, gain, n, 1e-6), rms_norm_bwd(isa, &x, gain, &dy, n, 1e-6));
                     let base = run(0);
                     for isa in 1..=BEST_ISA {
                         assert!(run(isa) == base, "isa {isa}, rows {rows} n {n}, gain {}", gain.is_some());
