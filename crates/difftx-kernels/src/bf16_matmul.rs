@@ -157,14 +157,23 @@ pub fn linear_bf16(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let Some(backend) = bf16_backend() else {
         bail!("difftx_kernels::linear_bf16: this CPU has neither AMX-BF16 nor AVX512_BF16");
     };
-    check_operands("linear_bf16", x, &w.t()?)?;
+    check_linear("linear_bf16", x, w)?;
     x.apply_op2(&w.contiguous()?, LinearBf16 { backend: Some(backend) })
 }
 
 /// [`linear_bf16`] on the emulated product of [`matmul_bf16_emulated`] (any CPU).
 pub fn linear_bf16_emulated(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    check_operands("linear_bf16_emulated", x, &w.t()?)?;
+    check_linear("linear_bf16_emulated", x, w)?;
     x.apply_op2(&w.contiguous()?, LinearBf16 { backend: None })
+}
+
+/// x `[m, k]` and w `[n, k]`, both f32 (the error names the weight as the caller passed it).
+fn check_linear(op: &str, x: &Tensor, w: &Tensor) -> Result<()> {
+    let ((m, k), (n, k2)) = (x.dims2()?, w.dims2()?);
+    if k != k2 {
+        bail!("difftx_kernels::{op}: x [{m}, {k}] does not end in the weight's input size {k2} (w [{n}, {k2}])");
+    }
+    check_operands(op, x, &w.t()?)
 }
 
 /// `x·wᵀ` with w contiguous `[n, k]`; `backend` None: the emulated reference.

@@ -127,4 +127,23 @@ fn bad_operands_are_errors() {
     if bf16_backend().is_some() {
         assert!(matmul_bf16(&a, &b).unwrap_err().to_string().contains("cannot multiply"));
     }
+    // The linear form: x [3, 4] against a weight of input size 2, a rank-1 weight, f64, no rows.
+    use difftx_kernels::{linear_bf16, linear_bf16_emulated};
+    let w = rand_t(&[5, 2], 3, 1.0, DType::F32).unwrap();
+    let mut linears: Vec<fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>> = vec![linear_bf16_emulated];
+    if bf16_backend().is_some() {
+        linears.push(linear_bf16);
+    }
+    for linear in linears {
+        assert!(linear(&a, &w).unwrap_err().to_string().contains("does not end in the weight's input size 2"));
+        assert!(linear(&a, &rand_t(&[4], 4, 1.0, DType::F32).unwrap()).is_err(), "rank-1 weight");
+        assert!(linear(&a64, &rand_t(&[2, 4], 5, 1.0, DType::F32).unwrap())
+            .unwrap_err()
+            .to_string()
+            .contains("f32 operands only"));
+        let empty =
+            linear(&rand_t(&[0, 4], 6, 1.0, DType::F32).unwrap(), &rand_t(&[2, 4], 7, 1.0, DType::F32).unwrap())
+                .unwrap();
+        assert_eq!(empty.dims(), &[0, 2]);
+    }
 }
