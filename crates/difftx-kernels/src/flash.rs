@@ -262,10 +262,10 @@ pub(crate) struct Scratch<T> {
     qs: Vec<T>,
     /// `[rows, dv]`: the grouped forward's unnormalised output rows.
     o: Vec<T>,
-    /// `[rows]`: running max and sum of the online softmax.
-    m: Vec<T>,
-    l: Vec<T>,
-    /// `[rows, BC]` score / probability tile and `[BR, BC]` dP / dS tile.
+    /// The online softmax's per-row state.
+    rows: RowState<T>,
+    /// The score / probability tile (the tiled forward's `[BC, rows]`, transposed; the
+    /// backward's `[BR, BC]`) and the backward's `[BR, BC]` dP / dS tile.
     st: Vec<T>,
     dpt: Vec<T>,
 }
@@ -279,11 +279,27 @@ impl<T: Float> Scratch<T> {
             s: vec![T::ZERO; BC],
             qs: vec![T::ZERO; stack.max(1) * d.dk],
             o: vec![T::ZERO; stack * d.dv],
-            m: vec![T::ZERO; rows],
-            l: vec![T::ZERO; rows],
+            rows: RowState::new(rows),
             st: vec![T::ZERO; rows * BC],
             dpt: vec![T::ZERO; BR * BC],
         }
+    }
+}
+
+/// The online softmax's state of a tiled forward task, one value per stacked query row: the
+/// running max `m` and sum `l`, and per key block the new max `mx` and the rescale factor
+/// `alpha` (the block's probability sums before that).
+pub(crate) struct RowState<T> {
+    m: Vec<T>,
+    l: Vec<T>,
+    mx: Vec<T>,
+    alpha: Vec<T>,
+}
+
+impl<T: Float> RowState<T> {
+    fn new(rows: usize) -> Self {
+        let z = || vec![T::ZERO; rows];
+        RowState { m: z(), l: z(), mx: z(), alpha: z() }
     }
 }
 
@@ -342,9 +358,9 @@ fn online_softmax_row<T: Float>(s: &mut [T], n: usize, m: &mut T, l: &mut T) -> 
 fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], lse: &mut [T], sc: &mut Scratch<T>) {
     let (dk, dv) = (kv.d.dk, kv.d.dv);
     let rows = lse.len();
-    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
     let qb = &qh[t0 * dk..(t0 + rows) * dk];
-    online_tiles(kv, t0, rows, 1, qb, out, m, l, &mut sc.st);
+    online_tiles(kv, t0, rows, 1, qb, out, &mut sc.rows, &mut sc.st);
+    let (m, l) = (&sc.rows.m, &sc.rows.l);
     for i in 0..rows {
         let inv = T::ONE / l[i];
         for x in out[i * dv..(i + 1) * dv].iter_mut() {
@@ -356,10 +372,16 @@ fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], 
 
 /// The key loop of the tiled forwards: query rows `t0 .. t0 + rows`, each stacked `rep` times in
 /// a row (`q` `[rows·rep, dk]`, stacked row `i·rep + h` at query row `t0 + i`), against every key
-/// block they see. Per block, `S = scale Q K^T` and `O += P V` are gemm tile products over the
+/// block they see. Per block, `Sᵀ = scale K Qᵀ` and `O += P V` are gemm tile products over the
 /// rectangles of [`causal_chunks`] (a rectangle of rows is one of the stack), with the online
-/// softmax row by row in between; leaves the unnormalised output `o` `[rows·rep, dv]` and each
-/// stacked row's running max `m` and sum `l`. `st` holds a `[rows·rep, BC]` tile.
+/// softmax in between; leaves the unnormalised output `o` `[rows·rep, dv]` and each stacked row's
+/// running max and sum in `state`. `st` holds a `[keys, rows·rep]` tile.
+///
+/// The scores are kept transposed, one key per tile row and one query row per column, so that
+/// the softmax's max and sum over keys run down the columns: each vector lane serves its own
+/// query row and no row is ever reduced across lanes (row by row, every 128-key row ended in a
+/// horizontal max and a 16-lane sum; this layout measured the forward ~20% faster at bench-s
+/// shapes, docs/design.md §7.18). `P V` reads the probabilities as a column-major `P`.
 #[inline(always)]
 fn online_tiles<T: Float>(
     kv: &KvHead<T>,
@@ -368,14 +390,14 @@ fn online_tiles<T: Float>(
     rep: usize,
     q: &[T],
     o: &mut [T],
-    m: &mut [T],
-    l: &mut [T],
+    state: &mut RowState<T>,
     st: &mut [T],
 ) {
     let KvHead { d, scale, q_offset, kh, vh } = *kv;
     let (dk, dv) = (d.dk, d.dv);
-    m.fill(T::NEG_INF);
-    l.fill(T::ZERO);
+    let n = rows * rep;
+    state.m[..n].fill(T::NEG_INF);
+    state.l[..n].fill(T::ZERO);
     o.fill(T::ZERO);
     let kend = (t0 + rows + q_offset).min(d.s);
     let mut s0 = 0;
@@ -383,23 +405,53 @@ fn online_tiles<T: Float>(
         let s1 = (s0 + BC).min(kend);
         for (r0, rc, nc) in causal_chunks(t0, rows, s0, s1 - s0, q_offset) {
             let (g0, gc) = (r0 * rep, rc * rep);
-            let (st, og) = (&mut st[g0 * BC..], &mut o[g0 * dv..(g0 + gc) * dv]);
-            // S[i, j] = scale * q_i . k_{s0 + j}
+            let og = &mut o[g0 * dv..(g0 + gc) * dv];
+            let (m, l) = (&mut state.m[g0..g0 + gc], &mut state.l[g0..g0 + gc]);
+            let (mx, alpha) = (&mut state.mx[..gc], &mut state.alpha[..gc]);
+            let st = &mut st[..nc * gc];
+            // Sᵀ[j, g] = scale * k_{s0 + j} . q_g
             let qc = &q[g0 * dk..(g0 + gc) * dk];
-            mm(gc, nc, dk, st, BC, false, qc, dk, 1, &kh[s0 * dk..(s0 + nc) * dk], 1, dk, scale);
-            for r in 0..rc {
-                let seen = keys_seen(t0 + r0 + r, q_offset, s0, s1 - s0);
-                for i in r * rep..(r + 1) * rep {
-                    let alpha = online_softmax_row(&mut st[i * BC..i * BC + nc], seen, &mut m[g0 + i], &mut l[g0 + i]);
-                    if alpha != T::ONE {
-                        for x in og[i * dv..(i + 1) * dv].iter_mut() {
-                            *x *= alpha;
-                        }
+            mm(nc, gc, dk, st, gc, false, &kh[s0 * dk..(s0 + nc) * dk], dk, 1, qc, 1, dk, scale);
+            // A diagonal chunk masks the keys past each row's own position: row r sees c + r
+            // keys (c < 0: the chunk's first rows see none of this block), so key j is masked
+            // for the rows r <= j − c, a prefix of its tile row.
+            let c = (t0 + r0 + q_offset + 1) as isize - s0 as isize;
+            for (j, sj) in st.chunks_exact_mut(gc).enumerate() {
+                let masked = (j as isize + 1 - c).clamp(0, rc as isize) as usize;
+                sj[..masked * rep].fill(T::NEG_INF);
+            }
+            // The new running max, then P = exp(S − max) with each row's sum (masked keys give 0).
+            mx.copy_from_slice(m);
+            for sj in st.chunks_exact(gc) {
+                for (x, &s) in mx.iter_mut().zip(sj) {
+                    *x = x.maxf(s);
+                }
+            }
+            alpha.fill(T::ZERO);
+            for sj in st.chunks_exact_mut(gc) {
+                for ((s, &x), p) in sj.iter_mut().zip(mx.iter()).zip(alpha.iter_mut()) {
+                    let e = (*s - x).exp_fused();
+                    *s = e;
+                    *p += e;
+                }
+            }
+            // alpha: the factor each row's output so far is rescaled by (0 on the first block,
+            // where m = -inf; 1 when the max is unchanged).
+            for g in 0..gc {
+                let a = (m[g] - mx[g]).exp();
+                l[g] = l[g] * a + alpha[g];
+                m[g] = mx[g];
+                alpha[g] = a;
+            }
+            for (og, &a) in og.chunks_exact_mut(dv).zip(alpha.iter()) {
+                if a != T::ONE {
+                    for x in og.iter_mut() {
+                        *x *= a;
                     }
                 }
             }
-            // O += P V
-            mm(gc, dv, nc, og, dv, true, st, BC, 1, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
+            // O += P V, P read column-major from Sᵀ
+            mm(gc, dv, nc, og, dv, true, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
         }
         s0 = s1;
     }
@@ -481,8 +533,9 @@ fn fwd_group_task<T: Float>(
             sc.qs[(i * rep + h) * dk..(i * rep + h + 1) * dk].copy_from_slice(&qg[src..src + dk]);
         }
     }
-    let (m, l, o) = (&mut sc.m[..n], &mut sc.l[..n], &mut sc.o[..n * dv]);
-    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, m, l, &mut sc.st);
+    let o = &mut sc.o[..n * dv];
+    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, &mut sc.rows, &mut sc.st);
+    let (m, l) = (&sc.rows.m, &sc.rows.l);
     for (h, (out, lse)) in parts.iter_mut().enumerate() {
         for i in 0..rows {
             let g = i * rep + h;
