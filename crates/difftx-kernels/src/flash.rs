@@ -262,8 +262,8 @@ pub(crate) struct Scratch<T> {
     qs: Vec<T>,
     /// `[rows, dv]`: the grouped forward's unnormalised output rows.
     o: Vec<T>,
-    /// The online softmax's per-row state.
-    rows: RowState<T>,
+    /// The tiled forward's online-softmax state.
+    online: OnlineSoftmax<T>,
     /// The score / probability tile (the tiled forward's `[BC, rows]`, transposed; the
     /// backward's `[BR, BC]`) and the backward's `[BR, BC]` dP / dS tile.
     st: Vec<T>,
@@ -279,7 +279,7 @@ impl<T: Float> Scratch<T> {
             s: vec![T::ZERO; BC],
             qs: vec![T::ZERO; stack.max(1) * d.dk],
             o: vec![T::ZERO; stack * d.dv],
-            rows: RowState::new(rows),
+            online: OnlineSoftmax::new(rows),
             st: vec![T::ZERO; rows * BC],
             dpt: vec![T::ZERO; BR * BC],
         }
@@ -287,19 +287,20 @@ impl<T: Float> Scratch<T> {
 }
 
 /// The online softmax's state of a tiled forward task, one value per stacked query row: the
-/// running max `m` and sum `l`, and per key block the new max `mx` and the rescale factor
-/// `alpha` (the block's probability sums before that).
-pub(crate) struct RowState<T> {
+/// running max `m` and sum `l`, and per key block the new running max `m_new`, the block's sum of
+/// probabilities `p_sum` and the factor `alpha` the row's output so far is rescaled by.
+pub(crate) struct OnlineSoftmax<T> {
     m: Vec<T>,
     l: Vec<T>,
-    mx: Vec<T>,
+    m_new: Vec<T>,
+    p_sum: Vec<T>,
     alpha: Vec<T>,
 }
 
-impl<T: Float> RowState<T> {
+impl<T: Float> OnlineSoftmax<T> {
     fn new(rows: usize) -> Self {
         let z = || vec![T::ZERO; rows];
-        RowState { m: z(), l: z(), mx: z(), alpha: z() }
+        OnlineSoftmax { m: z(), l: z(), m_new: z(), p_sum: z(), alpha: z() }
     }
 }
 
@@ -359,8 +360,8 @@ fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], 
     let (dk, dv) = (kv.d.dk, kv.d.dv);
     let rows = lse.len();
     let qb = &qh[t0 * dk..(t0 + rows) * dk];
-    online_tiles(kv, t0, rows, 1, qb, out, &mut sc.rows, &mut sc.st);
-    let (m, l) = (&sc.rows.m, &sc.rows.l);
+    online_tiles(kv, t0, rows, 1, qb, out, &mut sc.online, &mut sc.st);
+    let (m, l) = (&sc.online.m, &sc.online.l);
     for i in 0..rows {
         let inv = T::ONE / l[i];
         for x in out[i * dv..(i + 1) * dv].iter_mut() {
@@ -390,7 +391,7 @@ fn online_tiles<T: Float>(
     rep: usize,
     q: &[T],
     o: &mut [T],
-    state: &mut RowState<T>,
+    state: &mut OnlineSoftmax<T>,
     st: &mut [T],
 ) {
     let KvHead { d, scale, q_offset, kh, vh } = *kv;
@@ -407,7 +408,7 @@ fn online_tiles<T: Float>(
             let (g0, gc) = (r0 * rep, rc * rep);
             let og = &mut o[g0 * dv..(g0 + gc) * dv];
             let (m, l) = (&mut state.m[g0..g0 + gc], &mut state.l[g0..g0 + gc]);
-            let (mx, alpha) = (&mut state.mx[..gc], &mut state.alpha[..gc]);
+            let (m_new, p_sum, alpha) = (&mut state.m_new[..gc], &mut state.p_sum[..gc], &mut state.alpha[..gc]);
             let st = &mut st[..nc * gc];
             // Sᵀ[j, g] = scale * k_{s0 + j} . q_g
             let qc = &q[g0 * dk..(g0 + gc) * dk];
@@ -421,27 +422,25 @@ fn online_tiles<T: Float>(
                 sj[..masked * rep].fill(T::NEG_INF);
             }
             // The new running max, then P = exp(S − max) with each row's sum (masked keys give 0).
-            mx.copy_from_slice(m);
+            m_new.copy_from_slice(m);
             for sj in st.chunks_exact(gc) {
-                for (x, &s) in mx.iter_mut().zip(sj) {
+                for (x, &s) in m_new.iter_mut().zip(sj) {
                     *x = x.maxf(s);
                 }
             }
-            alpha.fill(T::ZERO);
+            p_sum.fill(T::ZERO);
             for sj in st.chunks_exact_mut(gc) {
-                for ((s, &x), p) in sj.iter_mut().zip(mx.iter()).zip(alpha.iter_mut()) {
+                for ((s, &x), p) in sj.iter_mut().zip(m_new.iter()).zip(p_sum.iter_mut()) {
                     let e = (*s - x).exp_fused();
                     *s = e;
                     *p += e;
                 }
             }
-            // alpha: the factor each row's output so far is rescaled by (0 on the first block,
-            // where m = -inf; 1 when the max is unchanged).
+            // alpha is 0 on the first block (m = -inf) and 1 where the max is unchanged
             for g in 0..gc {
-                let a = (m[g] - mx[g]).exp();
-                l[g] = l[g] * a + alpha[g];
-                m[g] = mx[g];
-                alpha[g] = a;
+                alpha[g] = (m[g] - m_new[g]).exp();
+                l[g] = l[g] * alpha[g] + p_sum[g];
+                m[g] = m_new[g];
             }
             for (og, &a) in og.chunks_exact_mut(dv).zip(alpha.iter()) {
                 if a != T::ONE {
@@ -534,8 +533,8 @@ fn fwd_group_task<T: Float>(
         }
     }
     let o = &mut sc.o[..n * dv];
-    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, &mut sc.rows, &mut sc.st);
-    let (m, l) = (&sc.rows.m, &sc.rows.l);
+    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, &mut sc.online, &mut sc.st);
+    let (m, l) = (&sc.online.m, &sc.online.l);
     for (h, (out, lse)) in parts.iter_mut().enumerate() {
         for i in 0..rows {
             let g = i * rep + h;
