@@ -51,6 +51,7 @@ const CASES: &[Case] = &[
     c(1, 3, 3, 65, 65, 24, 12, 0, 1.0),   // dv < dk
     c(1, 4, 2, 300, 300, 8, 16, 0, 1.0),  // three query/key tiles of 128, last one partial
     c(1, 2, 1, 150, 290, 16, 32, 140, 1.0), // cache offset not aligned to tiles, T > tile
+    c(1, 2, 2, 150, 290, 16, 32, 140, 1.0), // the same without GQA (the ungrouped forward)
     c(8, 4, 2, 140, 140, 8, 16, 0, 1.0),  // many (batch, kv head) pairs: the one-pass backward
 ];
 
