@@ -399,8 +399,10 @@ fn online_tiles<T: Float>(
     let n = rows * rep;
     state.m[..n].fill(T::NEG_INF);
     state.l[..n].fill(T::ZERO);
-    o.fill(T::ZERO);
     let kend = (t0 + rows + q_offset).min(d.s);
+    if kend == 0 {
+        o.fill(T::ZERO); // no keys (S = 0): no block writes o
+    }
     let mut s0 = 0;
     while s0 < kend {
         let s1 = (s0 + BC).min(kend);
@@ -442,15 +444,20 @@ fn online_tiles<T: Float>(
                 l[g] = l[g] * alpha[g] + p_sum[g];
                 m[g] = m_new[g];
             }
-            for (og, &a) in og.chunks_exact_mut(dv).zip(alpha.iter()) {
-                if a != T::ONE {
-                    for x in og.iter_mut() {
-                        *x *= a;
+            // Every row sees key 0, so the first block writes every output row: O = P V there
+            // (o is not filled first), O = alpha O + P V after.
+            let first = s0 == 0;
+            if !first {
+                for (og, &a) in og.chunks_exact_mut(dv).zip(alpha.iter()) {
+                    if a != T::ONE {
+                        for x in og.iter_mut() {
+                            *x *= a;
+                        }
                     }
                 }
             }
-            // O += P V, P read column-major from Sᵀ
-            mm(gc, dv, nc, og, dv, true, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
+            // P read column-major from Sᵀ
+            mm(gc, dv, nc, og, dv, !first, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
         }
         s0 = s1;
     }
