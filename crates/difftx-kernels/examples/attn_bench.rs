@@ -11,6 +11,11 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use difftx_kernels::flash_attention;
 use std::time::Instant;
 
+#[path = "common/args.rs"]
+mod args;
+
+const USAGE: &str = "attn_bench [MODE:N[:REPS[:B]] ...] | attn_bench one MODE N [REPS [B]]";
+
 const H: usize = 8;
 const DH: usize = 32;
 
@@ -90,9 +95,12 @@ fn one(mode: &str, n: usize, reps: usize, b: usize) -> Result<String> {
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() >= 4 && args[1] == "one" {
-        let n: usize = args[3].parse().expect("N");
-        let reps: usize = args.get(4).map(|r| r.parse().expect("reps")).unwrap_or(3);
-        let b: usize = args.get(5).map(|r| r.parse().expect("batch")).unwrap_or(1);
+        let n: usize = args::parse(&args[3], "N", USAGE)?;
+        if n == 0 {
+            return Err(candle_core::Error::Msg(format!("N must be at least 1\nusage: {USAGE}")));
+        }
+        let reps: usize = args.get(4).map_or(Ok(3), |r| args::parse(r, "REPS", USAGE))?;
+        let b: usize = args.get(5).map_or(Ok(1), |r| args::parse(r, "B", USAGE))?;
         println!("{}", one(&args[2], n, reps, b)?);
         return Ok(());
     }
@@ -101,14 +109,19 @@ fn main() -> Result<()> {
             .iter()
             .map(|c| {
                 let p: Vec<&str> = c.split(':').collect();
-                (
+                if !(2..=4).contains(&p.len()) {
+                    return Err(candle_core::Error::Msg(format!(
+                        "expected MODE:N[:REPS[:B]], got {c:?}\nusage: {USAGE}"
+                    )));
+                }
+                Ok((
                     p[0].to_string(),
-                    p[1].parse().expect("N"),
-                    p.get(2).map_or(3, |r| r.parse().expect("REPS")),
-                    p.get(3).map_or(1, |r| r.parse().expect("B")),
-                )
+                    args::parse(p[1], "N", USAGE)?,
+                    p.get(2).map_or(Ok(3), |r| args::parse(r, "REPS", USAGE))?,
+                    p.get(3).map_or(Ok(1), |r| args::parse(r, "B", USAGE))?,
+                ))
             })
-            .collect()
+            .collect::<Result<_>>()?
     } else {
         vec![
             ("naive".into(), 4096, 3, 1),
@@ -123,13 +136,13 @@ fn main() -> Result<()> {
             ("flash_bwd".into(), 256, 5, 8),
         ]
     };
-    let exe = std::env::current_exe().expect("current exe");
+    let exe = std::env::current_exe().map_err(|e| candle_core::Error::Msg(format!("this example's path: {e}")))?;
     let mut results = Vec::new();
     for (mode, n, reps, b) in configs {
         let out = std::process::Command::new(&exe)
             .args(["one", &mode, &n.to_string(), &reps.to_string(), &b.to_string()])
             .output()
-            .expect("spawn child");
+            .map_err(|e| candle_core::Error::Msg(format!("starting the child for {mode}:{n}: {e}")))?;
         let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
         if out.status.success() && !line.is_empty() {
             eprintln!("{line}");

@@ -11,6 +11,11 @@ use candle_core::{Device, Result, Tensor};
 use difftx_kernels::bf16_matmul::{bf16_backend_available, matmul_into, Bf16Backend, MatRef};
 use std::time::Instant;
 
+#[path = "common/args.rs"]
+mod args;
+
+const USAGE: &str = "bf16_matmul_bench [TOKENS:IN:OUT ...]";
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -37,11 +42,8 @@ fn main() -> Result<()> {
         vec![(2048, 256, 256), (2048, 256, 704), (2048, 704, 256)]
     } else {
         args.iter()
-            .map(|a| {
-                let v: Vec<usize> = a.split(':').map(|x| x.parse().expect("TOKENS:IN:OUT")).collect();
-                (v[0], v[1], v[2])
-            })
-            .collect()
+            .map(|a| args::numbers(a, 3, "TOKENS:IN:OUT", USAGE).map(|v| (v[0], v[1], v[2])))
+            .collect::<Result<_>>()?
     };
     let backends: Vec<Bf16Backend> =
         [Bf16Backend::Amx, Bf16Backend::Avx512Bf16].into_iter().filter(|&b| bf16_backend_available(b)).collect();

@@ -9,6 +9,11 @@
 use candle_core::{Device, Result, Tensor, Var};
 use std::time::Instant;
 
+#[path = "common/args.rs"]
+mod args;
+
+const USAGE: &str = "cross_entropy_bench [ROWS:VOCAB ...]";
+
 fn step(fused: bool, x: &Var, t: &Tensor) -> Result<f64> {
     let t0 = Instant::now();
     let loss = if fused {
@@ -31,12 +36,7 @@ fn main() -> Result<()> {
     let shapes: Vec<(usize, usize)> = if args.is_empty() {
         vec![(2048, 256), (2048, 32000)]
     } else {
-        args.iter()
-            .map(|a| {
-                let (r, v) = a.split_once(':').expect("shape as ROWS:VOCAB");
-                (r.parse().expect("ROWS"), v.parse().expect("VOCAB"))
-            })
-            .collect()
+        args.iter().map(|a| args::numbers(a, 2, "ROWS:VOCAB", USAGE).map(|v| (v[0], v[1]))).collect::<Result<_>>()?
     };
     let mut rows_out = Vec::new();
     for (rows, vocab) in shapes {

@@ -13,6 +13,11 @@ use candle_core::{Device, Result, Tensor, Var};
 use difftx_kernels::profile::{attention_time, Pass};
 use difftx_kernels::{diff_attention, diff_v2_attention, flash_attention, PairLayout};
 
+#[path = "common/args.rs"]
+mod args;
+
+const USAGE: &str = "family_attn_bench [ROUNDS [baseline|diff-v1|diff-v2]]";
+
 // The CLI's allocator: with the system one, every round's fresh gradient buffers are new pages
 // whose first touch is counted inside the kernels (docs/design.md §7.2).
 #[global_allocator]
@@ -62,8 +67,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let rounds: usize = std::env::args().nth(1).map_or(20, |r| r.parse().expect("ROUNDS"));
+    let rounds: usize = std::env::args().nth(1).map_or(Ok(20), |r| args::parse(&r, "ROUNDS", USAGE))?;
     let only = std::env::args().nth(2);
+    if let Some(name) = only.as_deref().filter(|f| !["baseline", "diff-v1", "diff-v2"].contains(f)) {
+        return Err(candle_core::Error::Msg(format!("unknown family {name:?}\nusage: {USAGE}")));
+    }
     let cases: Vec<Case> = [
         Case { name: "baseline", hq: 8, hk: 8 },
         Case { name: "diff-v1", hq: 8, hk: 8 },
