@@ -8,9 +8,13 @@ rather than as a bias of one engine. Each round also has both engines' f32 matmu
 training step's SwiGLU input product (`host_matmul_gflops`): the training ratio read beside it. difftx's bf16 training (`train_bf16`, where the CPU has AMX or
 AVX512_BF16) is compared with PyTorch's f32 training.
 
+The report ends with a `summary`: each figure's lowest and highest value over the rounds, and for
+each target of issue #10 that a round can check, in how many rounds it was met.
+
 Usage:
     python3 bench/side_by_side.py --python /tmp/hfvenv/bin/python [--rounds 2] [--no-train]
         [--no-attn] [--steps 10] [--difftx ./target/release/difftx]
+    python3 bench/side_by_side.py --summarize REPORT.json   (the summary of an earlier report)
 
 The PyTorch interpreter needs torch and transformers (`pip install torch transformers` in a venv).
 Stdlib only here; not part of the tests.
@@ -40,15 +44,62 @@ def get(report, *path):
     return report
 
 
+# The issue's targets that one round can check: (name, section, key, test).
+TARGETS = [
+    ("diff-v1 training >= 1.5x PyTorch (f32)", "ratio_difftx_over_pytorch", "train_diff-v1_tokens_per_sec", lambda x: x >= 1.5),
+    ("diff-v1 training --precision bf16 >= 2.5x PyTorch f32", "ratio_difftx_over_pytorch",
+     "train_bf16_diff-v1_tokens_per_sec_over_pytorch_f32", lambda x: x >= 2.5),
+    ("diff-v1 / baseline step time <= 1.10", "difftx", "train_step_time_diff-v1_over_baseline", lambda x: x <= 1.10),
+    ("diff-v1 decode >= 10x HF generate", "ratio_difftx_over_pytorch", "decode_diff-v1_tokens_per_sec", lambda x: x >= 10),
+    ("diff-v1 decode >= 2,000 tokens/s", "difftx", "decode_diff-v1_tokens_per_sec", lambda x: x >= 2000),
+    ("diff-v1 / baseline decode time <= 1.10", "difftx", "decode_time_diff-v1_over_baseline", lambda x: x <= 1.10),
+]
+
+
+def summarize(rounds):
+    """Lowest and highest value of every numeric figure over the rounds (nested dicts such as
+    the batched decode figures by their keys), and the rounds meeting each target."""
+    ranges = {}
+    for row in rounds:
+        for section in ["difftx", "pytorch", "ratio_difftx_over_pytorch"]:
+            for key, value in row.get(section, {}).items():
+                items = value.items() if isinstance(value, dict) else [(None, value)]
+                for sub, x in items:
+                    if isinstance(x, (int, float)) and not isinstance(x, bool):
+                        name = f"{section}.{key}" + (f".{sub}" if sub is not None else "")
+                        lo_hi = ranges.setdefault(name, [x, x])
+                        lo_hi[0], lo_hi[1] = min(lo_hi[0], x), max(lo_hi[1], x)
+    targets = {}
+    for name, section, key, test in TARGETS:
+        values = [row.get(section, {}).get(key) for row in rounds]
+        values = [x for x in values if isinstance(x, (int, float))]
+        if values:
+            targets[name] = f"{sum(1 for x in values if test(x))} of {len(values)} rounds"
+    return {"ranges": ranges, "targets_met": targets}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", required=True, help="interpreter with torch and transformers")
+    ap.add_argument("--python", help="interpreter with torch and transformers (required unless --summarize)")
+    ap.add_argument("--summarize", metavar="REPORT", help="print the summary of an earlier report and exit")
     ap.add_argument("--difftx", default=os.path.join(HERE, "..", "target", "release", "difftx"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--no-attn", action="store_true")
     a = ap.parse_args()
+    if a.summarize:
+        try:
+            with open(a.summarize) as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            sys.exit(f"side_by_side: cannot read the report {a.summarize}: {e}")
+        if not isinstance(report, dict) or not isinstance(report.get("rounds"), list):
+            sys.exit(f"side_by_side: {a.summarize} is not a side_by_side report (no rounds)")
+        print(json.dumps(summarize(report["rounds"]), indent=2))
+        return
+    if not a.python:
+        ap.error("--python is required (an interpreter with torch and transformers)")
 
     common = ["--families", "baseline,diff-v1", "--steps", str(a.steps)]
     if a.no_train:
@@ -95,7 +146,8 @@ def main():
             row["pytorch"]["attn_long"] = theirs.get("attn_long")
         rounds.append(row)
         print(json.dumps(row["ratio_difftx_over_pytorch"]), file=sys.stderr)
-    print(json.dumps({"cpu": cpu, "pytorch_engine": theirs.get("engine"), "rounds": rounds}, indent=2))
+    report = {"cpu": cpu, "pytorch_engine": theirs.get("engine"), "rounds": rounds, "summary": summarize(rounds)}
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
