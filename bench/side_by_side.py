@@ -30,7 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run_json(cmd):
     print("side_by_side: " + " ".join(cmd), file=sys.stderr)
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"side_by_side: cannot run {cmd[0]}: {e} (build it with `cargo build --release -p difftx-cli`, or pass --difftx / --python)")
     if out.returncode != 0:
         sys.exit(f"side_by_side: {cmd[0]} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout)
@@ -96,10 +99,12 @@ def main():
             sys.exit(f"side_by_side: cannot read the report {a.summarize}: {e}")
         if not isinstance(report, dict) or not isinstance(report.get("rounds"), list):
             sys.exit(f"side_by_side: {a.summarize} is not a side_by_side report (no rounds)")
-        print(json.dumps(summarize(report["rounds"]), indent=2))
+        print(json.dumps(summarize([r for r in report["rounds"] if isinstance(r, dict)]), indent=2))
         return
     if not a.python:
         ap.error("--python is required (an interpreter with torch and transformers)")
+    if a.rounds < 1 or a.steps < 1:
+        ap.error("--rounds and --steps must be at least 1")
 
     common = ["--families", "baseline,diff-v1", "--steps", str(a.steps)]
     if a.no_train:
