@@ -44,9 +44,10 @@
 
 use crate::cpu::{storage_slice, with_slice, zeroed, zeros};
 use crate::diff_combine::DiffCombinePairs;
-use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, mm, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
+use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
 use crate::pair_values::PairValues;
+use crate::tile::{mm_rows, transpose_into};
 use crate::PairLayout;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -334,12 +335,17 @@ struct Tiles<T> {
     pa: Vec<T>,
     pb: Vec<T>,
     dp: Vec<T>,
+    /// The key block's keys `[dk, BC]` (map a's, map b's) and values `[dv, BC]` transposed, so
+    /// that every tile product reads its right-hand side by rows ([`mm_rows`]).
+    kt_a: Vec<T>,
+    kt_b: Vec<T>,
+    vt: Vec<T>,
 }
 
 impl<T: Float> Tiles<T> {
-    fn new() -> Self {
-        let z = || vec![T::ZERO; BR * BC];
-        Tiles { pa: z(), pb: z(), dp: z() }
+    fn new(d: &Dims) -> Self {
+        let z = |rows: usize| vec![T::ZERO; rows * BC];
+        Tiles { pa: z(BR), pb: z(BR), dp: z(BR), kt_a: z(d.dk), kt_b: z(d.dk), vt: z(d.dv) }
     }
 }
 
@@ -362,6 +368,12 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
         let nb = (s - s0).min(BC);
         let (kab, kbb, vb) =
             (&k_a[s0 * dk..(s0 + nb) * dk], &k_b[s0 * dk..(s0 + nb) * dk], &v_p[s0 * w..(s0 + nb) * w]);
+        transpose_into(kab, nb, dk, &mut tl.kt_a, BC);
+        if kb != ka {
+            transpose_into(kbb, nb, dk, &mut tl.kt_b, BC);
+        }
+        transpose_into(vb, nb, w, &mut tl.vt, BC);
+        let kt_b = if kb != ka { &tl.kt_b } else { &tl.kt_a };
         for (i, &j) in js.iter().enumerate() {
             let (ha, hb) = pair(x.layout, d.hq, j);
             let (bha, bhb) = (b * d.hq + ha, b * d.hq + hb);
@@ -371,9 +383,9 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                 let qa = &x.q[(bha * t + t0) * dk..][..rows * dk];
                 let qb = &x.q[(bhb * t + t0) * dk..][..rows * dk];
                 let dzb = &x.dz[(bj * t + t0) * w..][..rows * w];
-                mm(rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, kab, 1, dk, x.scale);
-                mm(rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kbb, 1, dk, x.scale);
-                mm(rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, vb, 1, w, T::ONE);
+                mm_rows(rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, &tl.kt_a, BC, x.scale);
+                mm_rows(rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kt_b, BC, x.scale);
+                mm_rows(rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, &tl.vt, BC, T::ONE);
                 for r in 0..rows {
                     let n = keys_seen(t0 + r, x.q_offset, s0, nb);
                     let (ra, rb) = (bha * t + t0 + r, bhb * t + t0 + r);
@@ -395,14 +407,14 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                     }
                 }
                 let dvb = &mut dv[s0 * w..(s0 + nb) * w];
-                mm(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, 1, T::ONE);
+                mm_rows(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, T::ONE);
                 let (dsa, dsb) = (&tl.dp, &tl.pb);
-                mm(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, 1, T::ONE);
+                mm_rows(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, T::ONE);
                 let dk_b = g.dk_b.as_deref_mut().unwrap_or(&mut *g.dk_a);
-                mm(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, 1, T::ONE);
+                mm_rows(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, T::ONE);
                 let (dq_a, dq_b) = &mut g.dq[i];
-                mm(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, 1, T::ONE);
-                mm(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, 1, T::ONE);
+                mm_rows(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, T::ONE);
+                mm_rows(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, T::ONE);
             }
         }
         s0 += nb;
@@ -549,7 +561,7 @@ impl DiffAttn {
         let all_taken = |heads: &[Option<_>]| heads.iter().all(Option::is_none);
         assert!(all_taken(&dq_heads) && all_taken(&dk_heads) && all_taken(&dv_heads), "a gradient head without a task");
         let task = simd::pick::<T>();
-        outs.into_par_iter().for_each_init(Tiles::new, |tl, g| task(&x, self.task_kv(g.u), &mut g.zeroed(), tl));
+        outs.into_par_iter().for_each_init(|| Tiles::new(d), |tl, g| task(&x, self.task_kv(g.u), &mut g.zeroed(), tl));
         // SAFETY: the chunks cover each buffer's length (q, k, v hold whole heads of t·dk, s·dk
         // and dv_head values), every chunk went to one task (asserted above), and each task
         // zero-filled all of its chunks (TaskOut::zeroed) before writing them.

@@ -13,8 +13,8 @@
 //!   tile.
 //!
 //! Forward, per task `(b, h, block of BR query rows)`: loop over key blocks of `BC` keys;
-//! `S = scale Q K^T` (`[BR, BC]`) and `O += P V` are `gemm` tile products (single-threaded; the
-//! parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
+//! `S = scale Q K^T` (`[BR, BC]`) and `O += P V` are tile products (`tile::mm_rows`, one thread
+//! each; the parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
 //! max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
 //! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
 //! processed one at a time with dot products and axpys instead of tiles. With GQA (several query
@@ -42,6 +42,7 @@
 
 use crate::cpu::{storage_slice, zeroed, zeros, BEST_ISA};
 use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
+use crate::tile::{mm_rows, transpose_into};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -50,7 +51,8 @@ use std::sync::Mutex;
 
 /// Query rows per forward / dq task.
 pub(crate) const BR: usize = 128;
-/// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls).
+/// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls; with the
+/// tile kernel of `tile.rs` the two measured alike on the Zen 4, docs/design.md §7.20).
 pub(crate) const BC: usize = 128;
 /// Below this many rows per task the forward uses dot products instead of gemm tiles
 /// (measured 2-3x faster for T = 1 decode).
@@ -87,17 +89,18 @@ impl Dims {
     }
 }
 
-/// Query rows per chunk of a tile that crosses the causal diagonal (see [`causal_chunks`]):
-/// half a tile measured faster than a quarter (more, smaller gemm calls) in perf samples of one
-/// bench-s layer's forward and backward.
-pub(crate) const DIAG_ROWS: usize = 64;
+/// Query rows per chunk of a tile that crosses the causal diagonal (see [`causal_chunks`]).
+/// Through gemm, half a tile measured faster than a quarter (more, smaller calls, each packing its
+/// operands); the tile kernel of `tile.rs` packs nothing, and a quarter tile (62.5% of the
+/// diagonal tile's products instead of 75%) measured faster on the Zen 4 (docs/design.md §7.20).
+pub(crate) const DIAG_ROWS: usize = 32;
 
 /// The rectangles of a causal tile that hold visible scores: query rows `t0 .. t0 + rows`
 /// against keys `s0 .. s0 + nb`, as `(first row within the tile, rows, keys)`. A tile whose
 /// first row sees all its keys is one rectangle; a tile crossing the diagonal is cut into chunks
 /// of `DIAG_ROWS` rows, each as wide as the keys its last row sees (chunks that see none are
-/// left out), so the tile products skip half of the masked triangle's arithmetic: at
-/// T = 256 the three 128-tiles shrink to 83% of their products (causal needs 67%).
+/// left out), so the tile products skip three quarters of the masked triangle's arithmetic: at
+/// T = 256 the three 128-tiles shrink to 75% of their products (causal needs 67%).
 #[inline(always)]
 pub(crate) fn causal_chunks(
     t0: usize,
@@ -268,6 +271,14 @@ pub(crate) struct Scratch<T> {
     /// backward's `[BR, BC]`) and the backward's `[BR, BC]` dP / dS tile.
     st: Vec<T>,
     dpt: Vec<T>,
+    /// The tiled forward's stacked query rows transposed, `[dk, rows]`, and the backward's key
+    /// block's keys `[dk, BC]` and values `[dv, BC]` transposed, so that every tile product reads
+    /// its right-hand side by rows ([`mm_rows`]); `kv_block` says which block `kt` and `vt` hold
+    /// (`(kv head, first key)`: keys from there to the block's end).
+    qt: Vec<T>,
+    kt: Vec<T>,
+    vt: Vec<T>,
+    kv_block: Option<(usize, usize)>,
 }
 
 impl<T: Float> Scratch<T> {
@@ -282,6 +293,10 @@ impl<T: Float> Scratch<T> {
             online: OnlineSoftmax::new(rows),
             st: vec![T::ZERO; rows * BC],
             dpt: vec![T::ZERO; BR * BC],
+            qt: vec![T::ZERO; d.dk * rows],
+            kt: vec![T::ZERO; d.dk * BC],
+            vt: vec![T::ZERO; d.dv * BC],
+            kv_block: None,
         }
     }
 }
@@ -360,7 +375,7 @@ fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], 
     let (dk, dv) = (kv.d.dk, kv.d.dv);
     let rows = lse.len();
     let qb = &qh[t0 * dk..(t0 + rows) * dk];
-    online_tiles(kv, t0, rows, 1, qb, out, &mut sc.online, &mut sc.st);
+    online_tiles(kv, t0, rows, 1, qb, out, &mut sc.online, &mut sc.st, &mut sc.qt);
     let (m, l) = (&sc.online.m, &sc.online.l);
     for i in 0..rows {
         let inv = T::ONE / l[i];
@@ -373,7 +388,7 @@ fn fwd_task_tiled<T: Float>(kv: &KvHead<T>, t0: usize, qh: &[T], out: &mut [T], 
 
 /// The key loop of the tiled forwards: query rows `t0 .. t0 + rows`, each stacked `rep` times in
 /// a row (`q` `[rows·rep, dk]`, stacked row `i·rep + h` at query row `t0 + i`), against every key
-/// block they see. Per block, `Sᵀ = scale K Qᵀ` and `O += P V` are gemm tile products over the
+/// block they see. Per block, `Sᵀ = scale K Qᵀ` and `O += P V` are tile products over the
 /// rectangles of [`causal_chunks`] (a rectangle of rows is one of the stack), with the online
 /// softmax in between; leaves the unnormalised output `o` `[rows·rep, dv]` and each stacked row's
 /// running max and sum in `state`. `st` holds a `[keys, rows·rep]` tile.
@@ -393,10 +408,12 @@ fn online_tiles<T: Float>(
     o: &mut [T],
     state: &mut OnlineSoftmax<T>,
     st: &mut [T],
+    qt: &mut [T],
 ) {
     let KvHead { d, scale, q_offset, kh, vh } = *kv;
     let (dk, dv) = (d.dk, d.dv);
     let n = rows * rep;
+    transpose_into(q, n, dk, qt, n);
     state.m[..n].fill(T::NEG_INF);
     state.l[..n].fill(T::ZERO);
     let kend = (t0 + rows + q_offset).min(d.s);
@@ -413,8 +430,7 @@ fn online_tiles<T: Float>(
             let (m_new, p_sum, alpha) = (&mut state.m_new[..gc], &mut state.p_sum[..gc], &mut state.alpha[..gc]);
             let st = &mut st[..nc * gc];
             // Sᵀ[j, g] = scale * k_{s0 + j} . q_g
-            let qc = &q[g0 * dk..(g0 + gc) * dk];
-            mm(nc, gc, dk, st, gc, false, &kh[s0 * dk..(s0 + nc) * dk], dk, 1, qc, 1, dk, scale);
+            mm_rows(nc, gc, dk, st, gc, false, &kh[s0 * dk..(s0 + nc) * dk], dk, 1, &qt[g0..], n, scale);
             // A diagonal chunk masks the keys past each row's own position: row r sees c + r
             // keys (c < 0: the chunk's first rows see none of this block), so key j is masked
             // for the rows r <= j − c, a prefix of its tile row.
@@ -457,7 +473,7 @@ fn online_tiles<T: Float>(
                 }
             }
             // P read column-major from Sᵀ
-            mm(gc, dv, nc, og, dv, !first, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, 1, T::ONE);
+            mm_rows(gc, dv, nc, og, dv, !first, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, T::ONE);
         }
         s0 = s1;
     }
@@ -540,7 +556,7 @@ fn fwd_group_task<T: Float>(
         }
     }
     let o = &mut sc.o[..n * dv];
-    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, &mut sc.online, &mut sc.st);
+    online_tiles(kv, t0, rows, rep, &sc.qs[..n * dk], o, &mut sc.online, &mut sc.st, &mut sc.qt);
     let (m, l) = (&sc.online.m, &sc.online.l);
     for (h, (out, lse)) in parts.iter_mut().enumerate() {
         for i in 0..rows {
@@ -698,18 +714,24 @@ fn bwd_tile<T: Float>(
     kv: usize,
     s0: usize,
     nb: usize,
-    st: &mut [T],
-    dpt: &mut [T],
+    sc: &mut Scratch<T>,
 ) {
     let d = &x.d;
     let (dk, dv) = (d.dk, d.dv);
     let r0 = bh * d.t + t0;
     let qb = &x.q[r0 * dk..(r0 + rows) * dk];
     let gb = &x.dout[r0 * dv..(r0 + rows) * dv];
-    let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nb) * dk];
-    let vb = &x.v[(kv * d.s + s0) * dv..(kv * d.s + s0 + nb) * dv];
-    mm(rows, nb, dk, st, BC, false, qb, dk, 1, kb, 1, dk, x.scale);
-    mm(rows, nb, dv, dpt, BC, false, gb, dv, 1, vb, 1, dv, T::ONE);
+    // The key block transposed once for all the query heads and rows that see it: every key
+    // of the block from s0 (a rectangle's nb keys are a prefix of them).
+    if sc.kv_block != Some((kv, s0)) {
+        let n = (d.s - s0).min(BC);
+        transpose_into(&x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + n) * dk], n, dk, &mut sc.kt, BC);
+        transpose_into(&x.v[(kv * d.s + s0) * dv..(kv * d.s + s0 + n) * dv], n, dv, &mut sc.vt, BC);
+        sc.kv_block = Some((kv, s0));
+    }
+    let (st, dpt) = (&mut sc.st, &mut sc.dpt);
+    mm_rows(rows, nb, dk, st, BC, false, qb, dk, 1, &sc.kt, BC, x.scale);
+    mm_rows(rows, nb, dv, dpt, BC, false, gb, dv, 1, &sc.vt, BC, T::ONE);
     for i in 0..rows {
         let n = keys_seen(t0 + i, x.q_offset, s0, nb);
         let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
@@ -740,12 +762,12 @@ fn tile_dk_dv<T: Float>(
     sc: &mut Scratch<T>,
 ) {
     let (dk, dv) = (x.d.dk, x.d.dv);
-    bwd_tile(x, bh, t0, rows, kv, s0, nb, &mut sc.st, &mut sc.dpt);
+    bwd_tile(x, bh, t0, rows, kv, s0, nb, sc);
     let r0 = bh * x.d.t + t0;
     // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
-    mm(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, 1, T::ONE);
+    mm_rows(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, T::ONE);
     // dK[j, :] += sum_i dS[i, j] Q[i, :]
-    mm(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, 1, T::ONE);
+    mm_rows(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, T::ONE);
 }
 
 /// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
@@ -788,9 +810,9 @@ fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &
     while s0 < kend {
         let nb = (kend - s0).min(BC);
         for (r0, rc, nc) in causal_chunks(t0, rows, s0, nb, x.q_offset) {
-            bwd_tile(x, bh, t0 + r0, rc, kv, s0, nc, &mut sc.st, &mut sc.dpt);
+            bwd_tile(x, bh, t0 + r0, rc, kv, s0, nc, sc);
             let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nc) * dk];
-            mm(rc, dk, nc, &mut dqb[r0 * dk..(r0 + rc) * dk], dk, true, &sc.dpt, BC, 1, kb, dk, 1, T::ONE);
+            mm_rows(rc, dk, nc, &mut dqb[r0 * dk..(r0 + rc) * dk], dk, true, &sc.dpt, BC, 1, kb, dk, T::ONE);
         }
         s0 += nb;
     }
@@ -828,7 +850,7 @@ fn bwd_group_task<T: Float>(
             for (t0, rows, nc) in key_block_rects(s0, nb, d.t, x.q_offset) {
                 tile_dk_dv(x, bh, t0, rows, kv, s0, nc, &mut dkb[..nc * dk], &mut dvb[..nc * dv], sc);
                 let dqb = &mut dqg[(i * d.t + t0) * dk..(i * d.t + t0 + rows) * dk];
-                mm(rows, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, 1, T::ONE);
+                mm_rows(rows, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, T::ONE);
             }
         }
         s0 += nb;
@@ -1224,8 +1246,11 @@ mod tests {
                 }
             }
         }
-        // the chunks of bench-s' diagonal tile: two half-height rectangles
-        assert_eq!(causal_chunks(128, 128, 128, 128, 0).collect::<Vec<_>>(), [(0, 64, 64), (64, 64, 128)]);
+        // the chunks of bench-s' diagonal tile: four quarter-height rectangles
+        assert_eq!(
+            causal_chunks(128, 128, 128, 128, 0).collect::<Vec<_>>(),
+            [(0, 32, 32), (32, 32, 64), (64, 32, 96), (96, 32, 128)]
+        );
         assert_eq!(causal_chunks(128, 128, 0, 128, 0).collect::<Vec<_>>(), [(0, 128, 128)]);
     }
 

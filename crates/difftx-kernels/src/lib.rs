@@ -57,6 +57,7 @@ mod rope;
 mod softmax;
 mod swiglu;
 pub mod team;
+mod tile;
 
 pub use bf16_matmul::{
     bf16_backend, linear_bf16, linear_bf16_emulated, matmul_bf16, matmul_bf16_emulated, Bf16Backend,

@@ -274,3 +274,63 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
     }
     Ok(())
 }
+
+/// The f32 ops against the same ops in f64 on bench-s's head layouts and head dim (32), T cut
+/// into partial tiles: the shared-map backward tasks and flash's one-pass backward, whose f32
+/// tile products run through the AVX-512 tile kernel on CPUs that have it (the f64 ones through
+/// gemm), forward and every gradient within f32 rounding.
+#[test]
+fn f32_matches_f64_at_bench_head_layouts() -> Result<()> {
+    let (b, t, d) = (8, 150, 32);
+    let scale = 1.0 / (d as f64).sqrt();
+    type Op = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>>;
+    let cases: [(&str, usize, usize, usize, Op); 3] = [
+        ("baseline", 8, 8, 0, Box::new(move |q, k, v, _| difftx_kernels::flash_attention(q, k, v, scale, 0))),
+        (
+            "diff-v1",
+            8,
+            8,
+            1,
+            Box::new(move |q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, PairLayout::Halves, scale, 0)),
+        ),
+        (
+            "diff-v2",
+            16,
+            4,
+            b * 8 * t,
+            Box::new(move |q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, scale, 0)),
+        ),
+    ];
+    for (i, (name, hq, hk, n_lambda, op)) in cases.into_iter().enumerate() {
+        let seed = 500 + 10 * i as u64;
+        let x64 = [
+            rand_t(&[b, hq, t, d], seed, 1.0, DType::F64)?,
+            rand_t(&[b, hk, t, d], seed + 1, 1.0, DType::F64)?,
+            rand_t(&[b, hk, t, d], seed + 2, 1.0, DType::F64)?,
+            ((rand_t(&[n_lambda.max(1)], seed + 3, 1.0, DType::F64)? * 0.4)? + 0.5)?.reshape(if n_lambda > 1 {
+                vec![b, hq / 2, t, 1]
+            } else {
+                vec![1]
+            })?,
+        ];
+        let grads = |dt: DType| -> Result<(Tensor, Vec<Tensor>)> {
+            let x: Vec<Var> = x64.iter().map(|x| Var::from_tensor(&x.to_dtype(dt)?)).collect::<Result<_>>()?;
+            let z = op(x[0].as_tensor(), x[1].as_tensor(), x[2].as_tensor(), x[3].as_tensor())?;
+            let w = rand_t(z.dims(), seed + 4, 1.0, dt)?;
+            let g = (&z * &w)?.sum_all()?.backward()?;
+            let n = if n_lambda == 0 { 3 } else { 4 };
+            let gs =
+                x[..n].iter().map(|x| g.get(x.as_tensor()).unwrap().to_dtype(DType::F64)).collect::<Result<_>>()?;
+            Ok((z.to_dtype(DType::F64)?, gs))
+        };
+        let (z32, g32) = grads(DType::F32)?;
+        let (z64, g64) = grads(DType::F64)?;
+        let e = rel_err(&z32, &z64);
+        assert!(e < 1e-5, "{name}: forward {e}");
+        for ((what, a), b) in ["q", "k", "v", "lambda"].iter().zip(&g32).zip(&g64) {
+            let e = rel_err(a, b);
+            assert!(e < 1e-5, "{name}: d{what} {e}");
+        }
+    }
+    Ok(())
+}
