@@ -8,7 +8,7 @@
 
 use crate::cpu::{as_uninit, min_rows, par_output_uninit, storage_slice, with_slice};
 use crate::float::Float;
-use crate::heads::swapped_row;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -85,19 +85,19 @@ impl Order {
     }
 
     /// The input row and the position (row of the tables) of output row `r` (one head's `d`
-    /// values), for sizes `(t, h)`.
-    #[inline(always)]
+    /// values), for sizes `(t, h)`: the reference [`RowWalk`] is tested against.
+    #[cfg(test)]
     fn source(self, r: usize, t: usize, h: usize) -> (usize, usize) {
         match self {
             Order::Same => (r, (r / h) % t),
             // input [B, T, H]: the index along T is the first
             Order::ToHeads => {
-                let (src, tt, _) = swapped_row(r, t, h);
+                let (src, tt, _) = crate::heads::swapped_row(r, t, h);
                 (src, tt)
             }
             // input [B, H, T]: the index along T is the second
             Order::FromHeads => {
-                let (src, _, tt) = swapped_row(r, h, t);
+                let (src, _, tt) = crate::heads::swapped_row(r, h, t);
                 (src, tt)
             }
         }
@@ -146,21 +146,140 @@ fn rope_new<T: Float>(
     inverse: bool,
     order: Order,
 ) -> Vec<T> {
+    rope_new_at(crate::cpu::BEST_ISA, x, tables, dims, interleaved, inverse, order)
+}
+
+/// [`rope_new`] with the instruction-set level capped at `isa` (tests compare the levels).
+fn rope_new_at<T: Float>(
+    isa: u8,
+    x: &[T],
+    tables: (&[T], &[T]),
+    dims: (usize, usize, usize, usize),
+    interleaved: bool,
+    inverse: bool,
+    order: Order,
+) -> Vec<T> {
     let (_, t, h, d) = dims;
     if d == 0 || t == 0 || h == 0 {
         return vec![T::ZERO; x.len()];
     }
     assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d), "rope: heads of an even {d} values");
     let rows = min_rows(d, 8192);
+    let chunk = simd::pick::<T>(isa);
+    let job = Job { x, tables, t, h, d, interleaved, inverse, order };
     // SAFETY: every chunk is whole heads of d (x.len() and the chunk are multiples of d), and
     // rotate_head writes all d values of a head when d is even.
-    unsafe {
-        par_output_uninit(x.len(), rows * d, |i, y| {
-            for (j, yh) in y.chunks_mut(d).enumerate() {
-                let (src, tt) = order.source(i * rows + j, t, h);
-                rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
+    unsafe { par_output_uninit(x.len(), rows * d, |i, y| chunk(&job, i * rows, y)) }
+}
+
+/// What [`rope_new`]'s chunks share.
+struct Job<'a, T> {
+    x: &'a [T],
+    tables: (&'a [T], &'a [T]),
+    t: usize,
+    h: usize,
+    d: usize,
+    interleaved: bool,
+    inverse: bool,
+    order: Order,
+}
+
+/// Output rows `r0 ..` (one head each) of a [`Job`] into `y`, walking the indices instead of
+/// dividing per head ([`Order::source`]'s two divisions per 32 values were most of the op's
+/// time, docs/design.md §7.20).
+#[inline(always)]
+fn rope_chunk<T: Float>(job: &Job<T>, r0: usize, y: &mut [MaybeUninit<T>]) {
+    let Job { x, tables, t, h, d, interleaved, inverse, order } = *job;
+    let mut walk = RowWalk::new(order, r0, t, h);
+    for yh in y.chunks_mut(d) {
+        let (src, tt) = walk.source();
+        rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
+        walk.advance();
+    }
+}
+
+/// The output rows of an [`Order`] in turn: batch `b`, position `tt` and head `hh` of the
+/// current row, advanced without divisions; [`RowWalk::source`] gives what
+/// [`Order::source`] gives for the same row.
+struct RowWalk {
+    order: Order,
+    t: usize,
+    h: usize,
+    b: usize,
+    tt: usize,
+    hh: usize,
+}
+
+impl RowWalk {
+    fn new(order: Order, r: usize, t: usize, h: usize) -> Self {
+        let (b, tt, hh) = match order {
+            // output [B, T, H]
+            Order::Same | Order::FromHeads => (r / (t * h), (r / h) % t, r % h),
+            // output [B, H, T]
+            Order::ToHeads => (r / (t * h), r % t, (r / t) % h),
+        };
+        RowWalk { order, t, h, b, tt, hh }
+    }
+
+    #[inline(always)]
+    fn source(&self) -> (usize, usize) {
+        let RowWalk { order, t, h, b, tt, hh } = *self;
+        match order {
+            // input [B, T, H]
+            Order::Same | Order::ToHeads => ((b * t + tt) * h + hh, tt),
+            // input [B, H, T]
+            Order::FromHeads => ((b * h + hh) * t + tt, tt),
+        }
+    }
+
+    #[inline(always)]
+    fn advance(&mut self) {
+        let (fast, fast_n, slow, slow_n) = match self.order {
+            Order::Same | Order::FromHeads => (&mut self.hh, self.h, &mut self.tt, self.t),
+            Order::ToHeads => (&mut self.tt, self.t, &mut self.hh, self.h),
+        };
+        *fast += 1;
+        if *fast == fast_n {
+            *fast = 0;
+            *slow += 1;
+            if *slow == slow_n {
+                *slow = 0;
+                self.b += 1;
             }
-        })
+        }
+    }
+}
+
+mod simd {
+    use super::*;
+
+    pub(super) type ChunkFn<T> = fn(&Job<T>, usize, &mut [MaybeUninit<T>]);
+
+    // The chunk loop compiled per instruction set: the crate builds for the baseline x86-64
+    // (SSE2), where a head's 16 pairs took four iterations of 4 lanes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn chunk_avx2<T: Float>(job: &Job<T>, r0: usize, y: &mut [MaybeUninit<T>]) {
+        rope_chunk(job, r0, y)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn chunk_avx512<T: Float>(job: &Job<T>, r0: usize, y: &mut [MaybeUninit<T>]) {
+        rope_chunk(job, r0, y)
+    }
+
+    /// The chunk loop for the best instruction set this CPU has, capped at `max`.
+    pub(super) fn pick<T: Float>(max: u8) -> ChunkFn<T> {
+        match crate::cpu::isa_level(max) {
+            // SAFETY: the CPU supports the enabled features (`isa_level` checked them).
+            #[cfg(target_arch = "x86_64")]
+            2 => |job, r0, y| unsafe { chunk_avx512(job, r0, y) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            1 => |job, r0, y| unsafe { chunk_avx2(job, r0, y) },
+            _ => |job, r0, y| rope_chunk(job, r0, y),
+        }
     }
 }
 
@@ -267,8 +386,27 @@ mod tests {
             for (interleaved, inverse) in [(false, false), (true, false), (false, true), (true, true)] {
                 let mut want = vec![0.0; x.len()];
                 rope_kernel(&x, &mut want, &cos, &sin, (b, t, h, d), interleaved, inverse);
-                let got = rope_new(&x, (&cos, &sin), (b, t, h, d), interleaved, inverse, Order::Same);
-                assert_eq!(got, want, "{:?} interleaved {interleaved} inverse {inverse}", (b, t, h, d));
+                for isa in 0..=crate::cpu::BEST_ISA {
+                    let got = rope_new_at(isa, &x, (&cos, &sin), (b, t, h, d), interleaved, inverse, Order::Same);
+                    assert_eq!(got, want, "{:?} interleaved {interleaved} inverse {inverse} isa {isa}", (b, t, h, d));
+                }
+            }
+        }
+    }
+
+    /// The walk over output rows gives `Order::source` of every row, from any first row, for
+    /// every order (chunks start mid-head-group and mid-position).
+    #[test]
+    fn row_walk_equals_order_source() {
+        for (b, t, h) in [(1, 1, 1), (2, 5, 3), (3, 7, 1), (2, 1, 4)] {
+            for order in [Order::Same, Order::ToHeads, Order::FromHeads] {
+                for r0 in 0..b * t * h {
+                    let mut walk = RowWalk::new(order, r0, t, h);
+                    for r in r0..b * t * h {
+                        assert_eq!(walk.source(), order.source(r, t, h), "{order:?} {:?} from {r0} at {r}", (b, t, h));
+                        walk.advance();
+                    }
+                }
             }
         }
     }
