@@ -3,7 +3,7 @@
 //! The attention kernels multiply tiles of at most `BR × BC` scores by heads of `d` values
 //! (32 on bench-s). Through `gemm` every such product packs both operands first and, when the
 //! output is `d` wide, runs a micro-kernel 32 rows tall (`x2x6`); on the Zen 4 that packing was
-//! ~14% of diff-v2's backward task and `x2x6` most of the rest (docs/design.md §7.20).
+//! ~14% of diff-v2's backward task and `x2x6` 41% (docs/design.md §7.20).
 //! [`mm_rows`] takes `B` with contiguous rows instead, as every tile product has it or can have
 //! it after one transpose of a key block: each step over `k` loads a piece of one row of `B`
 //! (two or four vectors) and broadcasts one value of `A` per output row (12 or 6 rows: 24
