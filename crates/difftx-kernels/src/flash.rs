@@ -14,8 +14,8 @@
 //!
 //! Forward, per task `(b, h, block of BR query rows)`: loop over key blocks of `BC` keys;
 //! `S = scale Q K^T` (`[BR, BC]`) and `O += P V` are tile products (`tile::mm_rows`, one thread
-//! each; the parallelism is rayon over tasks); between them the online softmax keeps, per row, the running
-//! max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
+//! each; the parallelism is rayon over tasks); between them the online softmax keeps, per row,
+//! the running max `m`, the running sum `l`, and rescales the unnormalised output row. At the end
 //! `O /= l` and `lse = m + ln l`. With fewer than `DOT_ROWS` rows (decode, T = 1) the rows are
 //! processed one at a time with dot products and axpys instead of tiles. With GQA (several query
 //! heads per kv head) a task is `(b, kv head, block of BR / rep rows)` instead and stacks the
@@ -54,7 +54,7 @@ pub(crate) const BR: usize = 128;
 /// Keys per key block. 128 x 128 measured faster than 64 x 64 (fewer small gemm calls; with the
 /// tile kernel of `tile.rs` the two measured alike on the Zen 4, docs/design.md §7.20).
 pub(crate) const BC: usize = 128;
-/// Below this many rows per task the forward uses dot products instead of gemm tiles
+/// Below this many rows per task the forward uses dot products instead of tile products
 /// (measured 2-3x faster for T = 1 decode).
 const DOT_ROWS: usize = 4;
 /// Causal flash attention with backward (dq, dk, dv).

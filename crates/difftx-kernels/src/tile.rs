@@ -42,21 +42,19 @@ pub(crate) fn mm_rows<T: Float>(
         // SAFETY: T is f32 (checked above), so the casts only rename the element type; the
         // kernel reads and writes inside the slices (asserted above); the CPU has AVX-512F.
         unsafe {
-            let beta = *(&beta as *const T as *const f32);
-            avx512::mm_rows(
-                m,
-                n,
+            let ops = avx512::Operands {
                 k,
-                c.as_mut_ptr() as *mut f32,
+                c: c.as_mut_ptr() as *mut f32,
                 ldc,
                 acc,
-                a.as_ptr() as *const f32,
+                a: a.as_ptr() as *const f32,
                 a_rs,
                 a_cs,
-                b.as_ptr() as *const f32,
+                b: b.as_ptr() as *const f32,
                 ldb,
-                beta,
-            );
+                beta: *(&beta as *const T as *const f32),
+            };
+            avx512::mm_rows(m, n, ops);
         }
         return;
     }
@@ -91,22 +89,25 @@ mod avx512 {
         *AVX512.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// [`super::mm_rows`]'s operands as checked pointers (`c`, `a` and `b` at a tile's first
+    /// element inside the kernel).
+    #[derive(Clone, Copy)]
+    pub(super) struct Operands {
+        pub(super) k: usize,
+        pub(super) c: *mut f32,
+        pub(super) ldc: usize,
+        pub(super) acc: bool,
+        pub(super) a: *const f32,
+        pub(super) a_rs: usize,
+        pub(super) a_cs: usize,
+        pub(super) b: *const f32,
+        pub(super) ldb: usize,
+        pub(super) beta: f32,
+    }
+
+    /// The `m × n` product of `ops`, tile by tile.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn mm_rows(
-        m: usize,
-        n: usize,
-        k: usize,
-        c: *mut f32,
-        ldc: usize,
-        acc: bool,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        beta: f32,
-    ) {
+    pub(super) unsafe fn mm_rows(m: usize, n: usize, ops: Operands) {
         // lanes of vector v of a panel w columns wide
         let masks = |w: usize| {
             let lanes = |v: usize| w.saturating_sub(16 * v).min(16);
@@ -122,19 +123,9 @@ mod avx512 {
             let mut i0 = 0;
             while i0 < m {
                 let rows = (m - i0).min(if wide { MR_WIDE } else { MR });
-                let t = Tile {
-                    k,
-                    c: c.add(i0 * ldc + j0),
-                    ldc,
-                    acc,
-                    a: a.add(i0 * a_rs),
-                    a_rs,
-                    a_cs,
-                    b: b.add(j0),
-                    ldb,
-                    beta,
-                    masks: masks(w),
-                };
+                let at =
+                    Operands { c: ops.c.add(i0 * ops.ldc + j0), a: ops.a.add(i0 * ops.a_rs), b: ops.b.add(j0), ..ops };
+                let t = Tile { ops: at, masks: masks(w) };
                 match (rows, wide, w > 16) {
                     (12, false, true) => t.run::<12, 2>(),
                     (12, false, false) => t.run::<12, 1>(),
@@ -150,16 +141,7 @@ mod avx512 {
 
     /// One micro-tile: `R` rows of C, `V` vectors wide from column `j0` (`masks`: each vector's lanes).
     struct Tile {
-        k: usize,
-        c: *mut f32,
-        ldc: usize,
-        acc: bool,
-        a: *const f32,
-        a_rs: usize,
-        a_cs: usize,
-        b: *const f32,
-        ldb: usize,
-        beta: f32,
+        ops: Operands,
         masks: [__mmask16; 4],
     }
 
@@ -194,28 +176,27 @@ mod avx512 {
         #[inline(always)]
         unsafe fn run<const R: usize, const V: usize>(&self) {
             let mut s = [[_mm512_setzero_ps(); V]; R];
-            let masks = self.masks;
-            let mut ap = self.a;
-            let mut bp = self.b;
-            for _ in 0..self.k {
+            let (ops, masks) = (self.ops, self.masks);
+            let (mut ap, mut bp) = (ops.a, ops.b);
+            for _ in 0..ops.k {
                 let mut bv = [_mm512_setzero_ps(); V];
                 for v in 0..V {
                     bv[v] = _mm512_maskz_loadu_ps(masks[v], bp.add(16 * v));
                 }
                 for (r, sr) in s.iter_mut().enumerate() {
-                    let x = _mm512_set1_ps(*ap.add(r * self.a_rs));
+                    let x = _mm512_set1_ps(*ap.add(r * ops.a_rs));
                     for (acc, &bv) in sr.iter_mut().zip(&bv) {
                         *acc = _mm512_fmadd_ps(x, bv, *acc);
                     }
                 }
-                ap = ap.add(self.a_cs);
-                bp = bp.add(self.ldb);
+                ap = ap.add(ops.a_cs);
+                bp = bp.add(ops.ldb);
             }
-            let beta = _mm512_set1_ps(self.beta);
+            let beta = _mm512_set1_ps(ops.beta);
             for (r, sr) in s.iter().enumerate() {
-                let cr = self.c.add(r * self.ldc);
+                let cr = ops.c.add(r * ops.ldc);
                 for (v, &sum) in sr.iter().enumerate() {
-                    let out = if self.acc {
+                    let out = if ops.acc {
                         _mm512_fmadd_ps(beta, sum, _mm512_maskz_loadu_ps(masks[v], cr.add(16 * v)))
                     } else {
                         _mm512_mul_ps(beta, sum)
