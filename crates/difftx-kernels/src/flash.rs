@@ -193,68 +193,6 @@ fn dot<T: Float>(a: &[T], b: &[T]) -> T {
     s
 }
 
-/// `C = (acc ? C : 0) + beta * A B` on small tiles through the `gemm` micro-kernels
-/// (single-threaded: the parallelism is over tasks). `C` is `m x n` row-major with row stride
-/// `ldc`; `A` is `m x k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k x n` with
-/// `(p, j)` at `b[p * b_rs + j * b_cs]`.
-#[inline(always)]
-pub(crate) fn mm<T: Float>(
-    m: usize,
-    n: usize,
-    k: usize,
-    c: &mut [T],
-    ldc: usize,
-    acc: bool,
-    a: &[T],
-    a_rs: usize,
-    a_cs: usize,
-    b: &[T],
-    b_rs: usize,
-    b_cs: usize,
-    beta: T,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
-    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm: C out of bounds");
-    if k == 0 {
-        if !acc {
-            for i in 0..m {
-                c[i * ldc..i * ldc + n].fill(T::ZERO);
-            }
-        }
-        return;
-    }
-    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm: A out of bounds");
-    assert!(last(b_rs, b_cs, k, n) < b.len(), "mm: B out of bounds");
-    // SAFETY: every element the kernel reads or writes is inside the slices (asserted above),
-    // and `c` does not alias `a` or `b` (distinct borrows).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            ldc as isize,
-            acc,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            T::ONE,
-            beta,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
-
 /// Per-thread scratch tiles. `rows` below is the tallest stack of query rows a task works on:
 /// `BR`, or a grouped forward's `group_rows · rep` where that is more.
 pub(crate) struct Scratch<T> {

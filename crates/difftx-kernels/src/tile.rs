@@ -8,9 +8,8 @@
 //! it after one transpose of a key block: each step over `k` loads a piece of one row of `B`
 //! (two or four vectors) and broadcasts one value of `A` per output row (12 or 6 rows: 24
 //! accumulators either way), so neither operand is copied. f32 on AVX-512F only; every other
-//! type or CPU goes to `gemm` through [`crate::flash::mm`].
+//! type or CPU goes to `gemm` (single-threaded: the parallelism is over the kernels' tasks).
 
-use crate::flash::mm;
 use crate::float::Float;
 use std::any::TypeId;
 
@@ -33,12 +32,23 @@ pub(crate) fn mm_rows<T: Float>(
     ldb: usize,
     beta: T,
 ) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
+    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows: C out of bounds");
+    if k == 0 {
+        if !acc {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].fill(T::ZERO);
+            }
+        }
+        return;
+    }
+    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm_rows: A out of bounds");
+    assert!(last(ldb, 1, k, n) < b.len(), "mm_rows: B out of bounds");
     #[cfg(target_arch = "x86_64")]
-    if TypeId::of::<T>() == TypeId::of::<f32>() && avx512::available() && m > 0 && n > 0 && k > 0 {
-        let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
-        assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows: C out of bounds");
-        assert!(last(a_rs, a_cs, m, k) < a.len(), "mm_rows: A out of bounds");
-        assert!(last(ldb, 1, k, n) < b.len(), "mm_rows: B out of bounds");
+    if TypeId::of::<T>() == TypeId::of::<f32>() && avx512::available() {
         // SAFETY: T is f32 (checked above), so the casts only rename the element type; the
         // kernel reads and writes inside the slices (asserted above); the CPU has AVX-512F.
         unsafe {
@@ -58,7 +68,31 @@ pub(crate) fn mm_rows<T: Float>(
         }
         return;
     }
-    mm(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, 1, beta)
+    // SAFETY: every element gemm reads or writes is inside the slices (asserted above), and `c`
+    // does not alias `a` or `b` (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            acc,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            1,
+            ldb as isize,
+            T::ONE,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
 }
 
 /// `dst[c * ld + r] = src[r * cols + c]`: `src` `[rows, cols]` row-major into `dst` `[cols, ld]`
