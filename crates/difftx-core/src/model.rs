@@ -483,7 +483,8 @@ impl Attention {
                 // two maps (docs/design.md §5).
                 let lambda = diff.lambda()?;
                 let (scale, kernels) = (self.scale(), step.opts.kernels);
-                let o = ops::diff_attention(q, k, v, &lambda, self.pairing, scale, step.offset, kernels)?; // [B, H/2, T, 2d]
+                let (pairing, precision) = (self.pairing, step.opts.precision);
+                let o = ops::diff_attention(q, k, v, &lambda, pairing, scale, step.offset, kernels, precision)?; // [B, H/2, T, 2d]
                 diff.norm_and_scale(&o, step.opts.kernels)
             }
             AttnKind::DiffV1(diff) => {
@@ -504,7 +505,8 @@ impl Attention {
                 if self.pairs_in_one_op(step) {
                     // The same equations as below in one op whose backward shares dO·Vᵀ and dV
                     // between the two maps of a pair, which read one kv head (docs/design.md §5).
-                    return ops::diff_v2_attention(q, k, v, &lambda, self.scale(), step.offset, step.opts.kernels);
+                    let (kernels, precision) = (step.opts.kernels, step.opts.precision);
+                    return ops::diff_v2_attention(q, k, v, &lambda, self.scale(), step.offset, kernels, precision);
                 }
                 // One attention over all 2H query heads; pair j = heads (2j, 2j+1)      [B, 2H, T, d]
                 let o = self.attend(q, k, v, step)?;
@@ -553,7 +555,7 @@ impl Attention {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, step: &Step) -> Result<Tensor> {
         match step.opts.attn_logit_bits {
             Some(bits) => ops::attention_quantized_logits(q, k, v, self.scale(), step.offset, bits),
-            None => ops::attention(q, k, v, self.scale(), step.offset, step.opts.kernels),
+            None => ops::attention(q, k, v, self.scale(), step.offset, step.opts.kernels, step.opts.precision),
         }
     }
 

@@ -5,6 +5,7 @@
 
 use crate::config::HeadPairing;
 use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
+use difftx_kernels::TileProducts;
 
 /// Which implementation of the hot ops a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,17 +18,21 @@ pub enum Kernels {
     Fused,
 }
 
-/// Arithmetic of the linear layers' matrix products (everything else is f32 either way).
+/// Arithmetic of the matrix products: the linear layers' and the fused attention kernels' tiles
+/// (everything else is f32 either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
     #[default]
     F32,
     /// Inputs rounded to bf16, products summed in f32 (AMX or AVX512_BF16): mixed-precision
-    /// training's matmuls. Weights, activations between ops, gradients and optimizer state stay
-    /// f32. Needs [`Precision::bf16_available`].
+    /// training's matmuls, in the linear layers and in the fused attention kernels' tiles
+    /// (scores, P·V and their gradients; the softmax stays f32). Weights, activations between
+    /// ops, gradients and optimizer state stay f32. Needs [`Precision::bf16_available`].
     Bf16,
     /// The arithmetic of `Bf16` (same roundings, gradients included) by f32 gemm on rounded
-    /// copies: any CPU, no faster than f32; the reference the bf16 kernel is checked against.
+    /// copies in the linear layers: any CPU, no faster than f32; the reference the bf16 kernel
+    /// is checked against. The attention tiles round the same way as under `Bf16` (through
+    /// `vdpbf16ps` where the CPU has it, rounded copies elsewhere).
     Bf16Emulated,
 }
 
@@ -46,6 +51,14 @@ impl Precision {
                 Some("bf16 precision: this CPU has neither AMX-BF16 nor AVX512_BF16; running in f32".into()),
             ),
             p => (p, None),
+        }
+    }
+
+    /// How the fused attention kernels multiply their tiles at this precision.
+    pub fn tile_products(self) -> TileProducts {
+        match self {
+            Precision::F32 => TileProducts::Native,
+            Precision::Bf16 | Precision::Bf16Emulated => TileProducts::Bf16,
         }
     }
 
@@ -176,12 +189,16 @@ pub fn diff_attention(
     scale: f64,
     q_offset: usize,
     kernels: Kernels,
+    precision: Precision,
 ) -> Result<Tensor> {
     match kernels {
-        Kernels::Fused => difftx_kernels::diff_attention(q, k, v, lambda, pair_layout(pairing), scale, q_offset),
+        Kernels::Fused => {
+            let (layout, products) = (pair_layout(pairing), precision.tile_products());
+            difftx_kernels::diff_attention(q, k, v, lambda, layout, scale, q_offset, products)
+        }
         Kernels::Reference => {
             let v = pair_values_per_head(v, pairing, kernels)?; // [B, Hkv, S, 2d]
-            let o = attention(q, k, &v, scale, q_offset, kernels)?; // [B, H, T, 2d]
+            let o = attention(q, k, &v, scale, q_offset, kernels, precision)?; // [B, H, T, 2d]
             diff_combine_pairs(&o, lambda, pairing, kernels)
         }
     }
@@ -199,11 +216,14 @@ pub fn diff_v2_attention(
     scale: f64,
     q_offset: usize,
     kernels: Kernels,
+    precision: Precision,
 ) -> Result<Tensor> {
     match kernels {
-        Kernels::Fused => difftx_kernels::diff_v2_attention(q, k, v, lambda, scale, q_offset),
+        Kernels::Fused => {
+            difftx_kernels::diff_v2_attention(q, k, v, lambda, scale, q_offset, precision.tile_products())
+        }
         Kernels::Reference => {
-            let o = attention(q, k, v, scale, q_offset, kernels)?; // [B, 2H, T, d]
+            let o = attention(q, k, v, scale, q_offset, kernels, precision)?; // [B, 2H, T, d]
             diff_combine_pairs(&o, lambda, HeadPairing::Interleaved, kernels)
         }
     }
@@ -241,10 +261,19 @@ pub fn diff_combine(o1: &Tensor, o2: &Tensor, lambda: &Tensor, kernels: Kernels)
 ///
 /// q: [B, Hq, T, dk], k: [B, Hk, S, dk], v: [B, Hk, S, dv]; query head i uses kv head
 /// i / (Hq / Hk). Query row t sits at absolute position t + q_offset and sees keys s <= t + q_offset.
-/// Returns [B, Hq, T, dv].
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize, kernels: Kernels) -> Result<Tensor> {
+/// Returns [B, Hq, T, dv]. `precision` sets the fused kernel's tile products; the reference
+/// path multiplies in f32.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    q_offset: usize,
+    kernels: Kernels,
+    precision: Precision,
+) -> Result<Tensor> {
     match kernels {
-        Kernels::Fused => difftx_kernels::flash_attention(q, k, v, scale, q_offset),
+        Kernels::Fused => difftx_kernels::flash_attention(q, k, v, scale, q_offset, precision.tile_products()),
         Kernels::Reference => {
             let probs = attention_probs(q, k, scale, q_offset, kernels)?; // [B, Hq, T, S]
             weigh_values(&probs, v)

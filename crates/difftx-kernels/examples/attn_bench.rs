@@ -8,7 +8,7 @@
 //! Shapes: B = 1 unless given, Hq = Hk = 8, d = 32 (D = 256), f32, scale d^-0.5.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use difftx_kernels::flash_attention;
+use difftx_kernels::{flash_attention, TileProducts};
 use std::time::Instant;
 
 #[path = "common/args.rs"]
@@ -55,11 +55,11 @@ fn one(mode: &str, n: usize, reps: usize, b: usize) -> Result<String> {
         let t0 = Instant::now();
         match mode {
             "flash" => {
-                let o = flash_attention(&q, &k, &v, scale, 0)?;
+                let o = flash_attention(&q, &k, &v, scale, 0, TileProducts::Native)?;
                 std::hint::black_box(o);
             }
             "decode" => {
-                let o = flash_attention(&q, &k, &v, scale, n - 1)?;
+                let o = flash_attention(&q, &k, &v, scale, n - 1, TileProducts::Native)?;
                 std::hint::black_box(o);
             }
             "naive" => {
@@ -68,7 +68,8 @@ fn one(mode: &str, n: usize, reps: usize, b: usize) -> Result<String> {
             }
             "flash_bwd" => {
                 let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-                let o = flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, 0)?;
+                let o =
+                    flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, 0, TileProducts::Native)?;
                 let g = o.sum_all()?.backward()?;
                 std::hint::black_box(g);
             }

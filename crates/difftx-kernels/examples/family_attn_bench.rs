@@ -7,11 +7,13 @@
 //! not candle's autograd around them). Prints one JSON line per family with the median
 //! milliseconds of one layer's forward and backward over the rounds and the model GFLOP/s
 //! (causal score and value products; the backward counted as 2× the forward's arithmetic) for
-//! comparing kernels; not a test.
+//! comparing kernels; not a test. Every family runs with both tile products, f32 and bf16
+//! (`TileProducts`; bf16 emulated by rounded copies where the CPU lacks AVX512_BF16), one line
+//! each.
 
 use candle_core::{Device, Result, Tensor, Var};
 use difftx_kernels::profile::{attention_time, Pass};
-use difftx_kernels::{diff_attention, diff_v2_attention, flash_attention, PairLayout};
+use difftx_kernels::{diff_attention, diff_v2_attention, flash_attention, PairLayout, TileProducts};
 
 #[path = "common/args.rs"]
 mod args;
@@ -34,7 +36,7 @@ struct Case {
 }
 
 /// One forward and backward: the milliseconds inside the forward and the backward kernels.
-fn run(case: &Case) -> Result<(f64, f64)> {
+fn run(case: &Case, products: TileProducts) -> Result<(f64, f64)> {
     let dev = Device::Cpu;
     let scale = 1.0 / (D as f64).sqrt();
     let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (B, case.hq, T, D), &dev)?)?;
@@ -44,7 +46,7 @@ fn run(case: &Case) -> Result<(f64, f64)> {
     let lambda_v2 = Var::from_tensor(&(Tensor::rand(0f32, 1.0, (B, case.hq / 2, T), &dev)?))?;
     let (f0, b0) = (attention_time(Pass::Forward), attention_time(Pass::Backward));
     let o = match case.name {
-        "baseline" => flash_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, 0)?,
+        "baseline" => flash_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, 0, products)?,
         "diff-v1" => diff_attention(
             q.as_tensor(),
             k.as_tensor(),
@@ -53,8 +55,9 @@ fn run(case: &Case) -> Result<(f64, f64)> {
             PairLayout::Halves,
             scale,
             0,
+            products,
         )?,
-        _ => diff_v2_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), lambda_v2.as_tensor(), scale, 0)?,
+        _ => diff_v2_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), lambda_v2.as_tensor(), scale, 0, products)?,
     };
     std::hint::black_box(o.sum_all()?.backward()?);
     let ms = |pass, before| (attention_time(pass) - before).as_secs_f64() * 1e3;
@@ -81,25 +84,28 @@ fn main() -> Result<()> {
         // only a family name that matches no case leaves none
         return Err(candle_core::Error::Msg(format!("unknown family {:?}\nusage: {USAGE}", only.unwrap_or_default())));
     }
-    let mut fwd = vec![Vec::new(); cases.len()];
-    let mut bwd = vec![Vec::new(); cases.len()];
+    let runs: Vec<(&Case, TileProducts)> =
+        cases.iter().flat_map(|c| [(c, TileProducts::Native), (c, TileProducts::Bf16)]).collect();
+    let mut fwd = vec![Vec::new(); runs.len()];
+    let mut bwd = vec![Vec::new(); runs.len()];
     for round in 0..rounds + 2 {
-        for (i, case) in cases.iter().enumerate() {
-            let (f, b) = run(case)?;
+        for (i, &(case, products)) in runs.iter().enumerate() {
+            let (f, b) = run(case, products)?;
             if round >= 2 {
                 fwd[i].push(f);
                 bwd[i].push(b);
             }
         }
     }
-    for (i, case) in cases.iter().enumerate() {
+    for (i, &(case, products)) in runs.iter().enumerate() {
         // Scores and values, causal (half the T² pairs), per query head; diff-v1's value is 2d.
         let value_width = if case.name == "diff-v1" { 2 } else { 1 };
         let gflop = (B * case.hq * T * T / 2 * D * 2 * (1 + value_width)) as f64 / 1e9;
         let (f, b) = (median(fwd[i].clone()), median(bwd[i].clone()));
         println!(
-            "{{\"family\":\"{}\",\"forward_ms\":{f:.3},\"backward_ms\":{b:.3},\"forward_gflops\":{:.1},\"backward_gflops\":{:.1}}}",
+            "{{\"family\":\"{}\",\"products\":\"{}\",\"forward_ms\":{f:.3},\"backward_ms\":{b:.3},\"forward_gflops\":{:.1},\"backward_gflops\":{:.1}}}",
             case.name,
+            if products == TileProducts::Bf16 { "bf16" } else { "f32" },
             gflop / f * 1e3,
             2.0 * gflop / b * 1e3,
         );

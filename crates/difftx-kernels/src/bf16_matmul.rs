@@ -352,7 +352,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 /// packers carry the same target features, so this inlines into their loops.
 #[inline]
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
-unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
+pub(crate) unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     convert::to_bf16(src, dst);
@@ -368,12 +368,12 @@ unsafe fn to_bf16(src: &[f32], dst: &mut [u16]) {
 /// As [`to_bf16`].
 #[inline]
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
-unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
+pub(crate) unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     convert::to_bf16_pairs(lo, hi, dst);
     #[cfg(not(target_arch = "x86_64"))]
     for (j, o) in dst.iter_mut().enumerate() {
-        *o = pair(lo[j], hi.map_or(0.0, |h| h[j]));
+        *o = bf16_pair(lo[j], hi.map_or(0.0, |h| h[j]));
     }
 }
 
@@ -445,8 +445,9 @@ unsafe fn pack_a_block(a: &MatRef, i0: usize, kp: usize, blk: &mut [u16]) {
     }
 }
 
+/// bf16(lo) in the low half, bf16(hi) in the high half: a pair as `vdpbf16ps` reads it.
 #[inline]
-fn pair(lo: f32, hi: f32) -> u32 {
+pub(crate) fn bf16_pair(lo: f32, hi: f32) -> u32 {
     bf16_bits(lo) as u32 | (bf16_bits(hi) as u32) << 16
 }
 
@@ -562,7 +563,7 @@ unsafe fn pack_b_panel(b: &MatRef, pi: usize, panel: &mut [u32]) {
         for p in 0..pairs {
             for jj in 0..w {
                 let hi = if 2 * p + 1 < k { b.at(2 * p + 1, j0 + jj) } else { 0.0 };
-                panel[p * PANEL + jj] = pair(b.at(2 * p, j0 + jj), hi);
+                panel[p * PANEL + jj] = bf16_pair(b.at(2 * p, j0 + jj), hi);
             }
         }
     }
@@ -711,7 +712,7 @@ pub fn matmul_reference(a: MatRef, b: MatRef) -> Vec<f32> {
 
 #[cfg(target_arch = "x86_64")]
 mod convert {
-    use super::{bf16_bits, pair};
+    use super::{bf16_bits, bf16_pair};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -808,7 +809,7 @@ mod convert {
             j += 16;
         }
         for q in j..n {
-            dst[q] = pair(lo[q], hi.map_or(0.0, |h| h[q]));
+            dst[q] = bf16_pair(lo[q], hi.map_or(0.0, |h| h[q]));
         }
     }
 }
@@ -1038,7 +1039,7 @@ mod tests {
         // SAFETY: as above.
         unsafe { to_bf16_pairs(&lo[..n], Some(&hi[..n]), &mut pairs) };
         for (j, &p) in pairs.iter().enumerate() {
-            assert_eq!(p, pair(lo[j], hi[j]), "pair {j}");
+            assert_eq!(p, bf16_pair(lo[j], hi[j]), "pair {j}");
         }
         // SAFETY: as above.
         unsafe { to_bf16_pairs(&lo[..n], None, &mut pairs) };

@@ -47,7 +47,7 @@ use crate::diff_combine::DiffCombinePairs;
 use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
 use crate::float::{exp_shifted, Float};
 use crate::pair_values::PairValues;
-use crate::tile::{mm_rows, transpose_into};
+use crate::tile::{mm_tile, transpose_into, TileProducts};
 use crate::PairLayout;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -66,8 +66,9 @@ pub fn diff_attention(
     layout: PairLayout,
     scale: f64,
     q_offset: usize,
+    products: TileProducts,
 ) -> Result<Tensor> {
-    DiffAttn::apply(q, k, v, lambda, Maps::V1(layout), scale, q_offset)
+    DiffAttn::apply(q, k, v, lambda, Maps::V1(layout), scale, q_offset, products)
 }
 
 /// diff-v2's attention `z_{j,t} = A_{2j} v_g − λ_{j,t}·A_{2j+1} v_g` for every query pair `j`, `g`
@@ -81,8 +82,9 @@ pub fn diff_v2_attention(
     lambda: &Tensor,
     scale: f64,
     q_offset: usize,
+    products: TileProducts,
 ) -> Result<Tensor> {
-    DiffAttn::apply(q, k, v, lambda, Maps::V2, scale, q_offset)
+    DiffAttn::apply(q, k, v, lambda, Maps::V2, scale, q_offset, products)
 }
 
 /// How the two maps of a query pair find their keys, value and λ.
@@ -170,6 +172,7 @@ impl DiffAttn {
         maps: Maps,
         scale: f64,
         q_offset: usize,
+        products: TileProducts,
     ) -> Result<Tensor> {
         let name = match maps {
             Maps::V1(_) => "difftx_kernels::diff_attention",
@@ -211,7 +214,7 @@ impl DiffAttn {
             Maps::V1(_) => 2 * dv,
             Maps::V2 => dv,
         };
-        let d = Dims { b, hq, hk, t, s, dk, dv: width };
+        let d = Dims { b, hq, hk, t, s, dk, dv: width, products };
         let pairs_of = query_pairs_per_task(&d, maps)?;
         let op = DiffAttn { d, maps, scale, q_offset, pairs_of, saved: Mutex::new(None) };
         // candle's custom ops take three inputs: λ rides at the end of v's flattened data.
@@ -383,9 +386,9 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                 let qa = &x.q[(bha * t + t0) * dk..][..rows * dk];
                 let qb = &x.q[(bhb * t + t0) * dk..][..rows * dk];
                 let dzb = &x.dz[(bj * t + t0) * w..][..rows * w];
-                mm_rows(rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, &tl.kt_a, BC, x.scale);
-                mm_rows(rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kt_b, BC, x.scale);
-                mm_rows(rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, &tl.vt, BC, T::ONE);
+                mm_tile(d.products, rows, nb, dk, &mut tl.pa, BC, false, qa, dk, 1, &tl.kt_a, BC, x.scale);
+                mm_tile(d.products, rows, nb, dk, &mut tl.pb, BC, false, qb, dk, 1, kt_b, BC, x.scale);
+                mm_tile(d.products, rows, nb, w, &mut tl.dp, BC, false, dzb, w, 1, &tl.vt, BC, T::ONE);
                 for r in 0..rows {
                     let n = keys_seen(t0 + r, x.q_offset, s0, nb);
                     let (ra, rb) = (bha * t + t0 + r, bhb * t + t0 + r);
@@ -407,14 +410,70 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                     }
                 }
                 let dvb = &mut dv[s0 * w..(s0 + nb) * w];
-                mm_rows(nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, T::ONE);
+                mm_tile(d.products, nb, w, rows, dvb, w, true, &tl.pa, 1, BC, dzb, w, T::ONE);
                 let (dsa, dsb) = (&tl.dp, &tl.pb);
-                mm_rows(nb, dk, rows, &mut g.dk_a[s0 * dk..(s0 + nb) * dk], dk, true, dsa, 1, BC, qa, dk, T::ONE);
+                mm_tile(
+                    d.products,
+                    nb,
+                    dk,
+                    rows,
+                    &mut g.dk_a[s0 * dk..(s0 + nb) * dk],
+                    dk,
+                    true,
+                    dsa,
+                    1,
+                    BC,
+                    qa,
+                    dk,
+                    T::ONE,
+                );
                 let dk_b = g.dk_b.as_deref_mut().unwrap_or(&mut *g.dk_a);
-                mm_rows(nb, dk, rows, &mut dk_b[s0 * dk..(s0 + nb) * dk], dk, true, dsb, 1, BC, qb, dk, T::ONE);
+                mm_tile(
+                    d.products,
+                    nb,
+                    dk,
+                    rows,
+                    &mut dk_b[s0 * dk..(s0 + nb) * dk],
+                    dk,
+                    true,
+                    dsb,
+                    1,
+                    BC,
+                    qb,
+                    dk,
+                    T::ONE,
+                );
                 let (dq_a, dq_b) = &mut g.dq[i];
-                mm_rows(rows, dk, nb, &mut dq_a[t0 * dk..(t0 + rows) * dk], dk, true, dsa, BC, 1, kab, dk, T::ONE);
-                mm_rows(rows, dk, nb, &mut dq_b[t0 * dk..(t0 + rows) * dk], dk, true, dsb, BC, 1, kbb, dk, T::ONE);
+                mm_tile(
+                    d.products,
+                    rows,
+                    dk,
+                    nb,
+                    &mut dq_a[t0 * dk..(t0 + rows) * dk],
+                    dk,
+                    true,
+                    dsa,
+                    BC,
+                    1,
+                    kab,
+                    dk,
+                    T::ONE,
+                );
+                mm_tile(
+                    d.products,
+                    rows,
+                    dk,
+                    nb,
+                    &mut dq_b[t0 * dk..(t0 + rows) * dk],
+                    dk,
+                    true,
+                    dsb,
+                    BC,
+                    1,
+                    kbb,
+                    dk,
+                    T::ONE,
+                );
             }
         }
         s0 += nb;
@@ -693,7 +752,7 @@ mod tests {
         ];
         for (b, hq, hk, t, s, dk, dv, off, maps) in cases {
             let width = if maps == Maps::V2 { dv } else { 2 * dv };
-            let d = Dims { b, hq, hk, t, s, dk, dv: width };
+            let d = Dims { b, hq, hk, t, s, dk, dv: width, products: TileProducts::Native };
             let op = DiffAttn {
                 d,
                 maps,

@@ -42,7 +42,7 @@
 
 use crate::cpu::{storage_slice, zeroed, zeros, BEST_ISA};
 use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
-use crate::tile::{mm_rows, transpose_into};
+use crate::tile::{mm_tile, transpose_into, TileProducts};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -63,12 +63,20 @@ const DOT_ROWS: usize = 4;
 /// head i / (Hq/Hk) (GQA). Query row t sits at absolute position t + q_offset and attends to key
 /// positions s <= t + q_offset (S = q_offset + T for a KV cache; q_offset = 0 in training).
 /// scores = q·k * scale. Returns out [B, Hq, T, dv]. f32 and f64; CPU only.
-pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize) -> Result<Tensor> {
+/// `products`: how the tiles are multiplied (bf16 values with f32 sums, or the dtype's own).
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    q_offset: usize,
+    products: TileProducts,
+) -> Result<Tensor> {
     let dims = check_shapes(q, k, v)?;
     if dims.s == 0 && dims.t > 0 {
         bail!("difftx_kernels::flash_attention: no keys (S = 0)");
     }
-    let op = FlashAttn { scale, q_offset, lse: Mutex::new(None) };
+    let op = FlashAttn { scale, q_offset, products, lse: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -81,6 +89,8 @@ pub(crate) struct Dims {
     pub(crate) s: usize,
     pub(crate) dk: usize,
     pub(crate) dv: usize,
+    /// How the tiles are multiplied (not a dimension, but what every task reads with them).
+    pub(crate) products: TileProducts,
 }
 
 impl Dims {
@@ -148,7 +158,7 @@ fn dims_of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
     if hk == 0 || hq % hk != 0 {
         bail!("difftx_kernels::flash_attention: Hq = {hq} is not a multiple of Hk = {hk}");
     }
-    Ok(Dims { b, hq, hk, t, s, dk, dv })
+    Ok(Dims { b, hq, hk, t, s, dk, dv, products: TileProducts::Native })
 }
 
 fn check_shapes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
@@ -368,7 +378,7 @@ fn online_tiles<T: Float>(
             let (m_new, p_sum, alpha) = (&mut state.m_new[..gc], &mut state.p_sum[..gc], &mut state.alpha[..gc]);
             let st = &mut st[..nc * gc];
             // Sᵀ[j, g] = scale * k_{s0 + j} . q_g
-            mm_rows(nc, gc, dk, st, gc, false, &kh[s0 * dk..(s0 + nc) * dk], dk, 1, &qt[g0..], n, scale);
+            mm_tile(d.products, nc, gc, dk, st, gc, false, &kh[s0 * dk..(s0 + nc) * dk], dk, 1, &qt[g0..], n, scale);
             // A diagonal chunk masks the keys past each row's own position: row r sees c + r
             // keys (c < 0: the chunk's first rows see none of this block), so key j is masked
             // for the rows r <= j − c, a prefix of its tile row.
@@ -411,7 +421,7 @@ fn online_tiles<T: Float>(
                 }
             }
             // P read column-major from Sᵀ
-            mm_rows(gc, dv, nc, og, dv, !first, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, T::ONE);
+            mm_tile(d.products, gc, dv, nc, og, dv, !first, st, 1, gc, &vh[s0 * dv..(s0 + nc) * dv], dv, T::ONE);
         }
         s0 = s1;
     }
@@ -668,8 +678,8 @@ fn bwd_tile<T: Float>(
         sc.kv_block = Some((kv, s0));
     }
     let (st, dpt) = (&mut sc.st, &mut sc.dpt);
-    mm_rows(rows, nb, dk, st, BC, false, qb, dk, 1, &sc.kt, BC, x.scale);
-    mm_rows(rows, nb, dv, dpt, BC, false, gb, dv, 1, &sc.vt, BC, T::ONE);
+    mm_tile(x.d.products, rows, nb, dk, st, BC, false, qb, dk, 1, &sc.kt, BC, x.scale);
+    mm_tile(x.d.products, rows, nb, dv, dpt, BC, false, gb, dv, 1, &sc.vt, BC, T::ONE);
     for i in 0..rows {
         let n = keys_seen(t0 + i, x.q_offset, s0, nb);
         let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
@@ -703,9 +713,9 @@ fn tile_dk_dv<T: Float>(
     bwd_tile(x, bh, t0, rows, kv, s0, nb, sc);
     let r0 = bh * x.d.t + t0;
     // dV[j, :] += sum_i P[i, j] dO[i, :]   (A = P^T: element (j, i) at st[i * BC + j])
-    mm_rows(nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, T::ONE);
+    mm_tile(x.d.products, nb, dv, rows, dvb, dv, true, &sc.st, 1, BC, &x.dout[r0 * dv..(r0 + rows) * dv], dv, T::ONE);
     // dK[j, :] += sum_i dS[i, j] Q[i, :]
-    mm_rows(nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, T::ONE);
+    mm_tile(x.d.products, nb, dk, rows, dkb, dk, true, &sc.dpt, 1, BC, &x.q[r0 * dk..(r0 + rows) * dk], dk, T::ONE);
 }
 
 /// Pass 1 task: key rows `s0 .. s0 + nb` of kv head `(b, g)`; accumulates `dkb` `[nb, dk]` and
@@ -750,7 +760,21 @@ fn bwd_q_task<T: Float>(x: &BwdIn<T>, bh: usize, t0: usize, dqb: &mut [T], sc: &
         for (r0, rc, nc) in causal_chunks(t0, rows, s0, nb, x.q_offset) {
             bwd_tile(x, bh, t0 + r0, rc, kv, s0, nc, sc);
             let kb = &x.k[(kv * d.s + s0) * dk..(kv * d.s + s0 + nc) * dk];
-            mm_rows(rc, dk, nc, &mut dqb[r0 * dk..(r0 + rc) * dk], dk, true, &sc.dpt, BC, 1, kb, dk, T::ONE);
+            mm_tile(
+                x.d.products,
+                rc,
+                dk,
+                nc,
+                &mut dqb[r0 * dk..(r0 + rc) * dk],
+                dk,
+                true,
+                &sc.dpt,
+                BC,
+                1,
+                kb,
+                dk,
+                T::ONE,
+            );
         }
         s0 += nb;
     }
@@ -788,7 +812,7 @@ fn bwd_group_task<T: Float>(
             for (t0, rows, nc) in key_block_rects(s0, nb, d.t, x.q_offset) {
                 tile_dk_dv(x, bh, t0, rows, kv, s0, nc, &mut dkb[..nc * dk], &mut dvb[..nc * dv], sc);
                 let dqb = &mut dqg[(i * d.t + t0) * dk..(i * d.t + t0 + rows) * dk];
-                mm_rows(rows, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, T::ONE);
+                mm_tile(x.d.products, rows, dk, nc, dqb, dk, true, &sc.dpt, BC, 1, &kb[..nc * dk], dk, T::ONE);
             }
         }
         s0 += nb;
@@ -1028,6 +1052,7 @@ mod simd {
 struct FlashAttn {
     scale: f64,
     q_offset: usize,
+    products: TileProducts,
     /// log-sum-exp per query row saved by the forward (`[B, Hq, T]`, same dtype as q).
     lse: Mutex<Option<CpuStorage>>,
 }
@@ -1041,7 +1066,7 @@ fn fwd_typed<T: Float>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> Result<(CpuStorage, Shape)> {
-    let d = dims_of(l1.dims(), l2.dims(), l3.dims())?;
+    let d = Dims { products: op.products, ..dims_of(l1.dims(), l2.dims(), l3.dims())? };
     let (q, k, v) = (storage_slice::<T>(s1, l1)?, storage_slice::<T>(s2, l2)?, storage_slice::<T>(s3, l3)?);
     let (out, lse) = flash_fwd_new(&d, op.scale, op.q_offset, q, k, v);
     *op.lse.lock().unwrap() = Some(T::to_cpu_storage_owned(lse));
@@ -1057,7 +1082,7 @@ fn bwd_typed<T: Float>(
     grad: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     use crate::cpu::with_slice;
-    let d = dims_of(q.dims(), k.dims(), v.dims())?;
+    let d = Dims { products: op.products, ..dims_of(q.dims(), k.dims(), v.dims())? };
     let mut dq = zeros::<T>(q.elem_count());
     let mut dk = zeros::<T>(k.elem_count());
     let mut dv = zeros::<T>(v.elem_count());
@@ -1146,11 +1171,11 @@ mod tests {
         let k = Tensor::from_vec(vals(2 * 2 * 9 * 5, 0.2), (2, 2, 9, 5), &dev)?;
         let v = Tensor::from_vec(vals(2 * 2 * 9 * 3, 0.3), (2, 2, 9, 3), &dev)?;
         let g = Tensor::from_vec(vals(2 * 4 * 9 * 3, 0.4), (2, 4, 9, 3), &dev)?;
-        let op = FlashAttn { scale: 0.4, q_offset: 0, lse: Mutex::new(None) };
+        let op = FlashAttn { scale: 0.4, q_offset: 0, products: TileProducts::Native, lse: Mutex::new(None) };
         let out = q.apply_op3_no_bwd(&k, &v, &op)?;
         assert!(op.lse.lock().unwrap().is_some());
         let (a, b, c) = op.bwd(&q, &k, &v, &out, &g)?;
-        let op2 = FlashAttn { scale: 0.4, q_offset: 0, lse: Mutex::new(None) };
+        let op2 = FlashAttn { scale: 0.4, q_offset: 0, products: TileProducts::Native, lse: Mutex::new(None) };
         let (a2, b2, c2) = op2.bwd(&q, &k, &v, &out, &g)?;
         for (x, y) in [(a, a2), (b, b2), (c, c2)] {
             let d = (x.unwrap() - y.unwrap())?.abs()?.max_all()?.to_scalar::<f64>()?;
@@ -1198,11 +1223,11 @@ mod tests {
     #[test]
     fn new_buffers_equal_filled_buffers() {
         let cases = [
-            Dims { b: 2, hq: 8, hk: 2, t: 150, s: 150, dk: 16, dv: 24 },
-            Dims { b: 1, hq: 4, hk: 4, t: 130, s: 140, dk: 12, dv: 20 },
-            Dims { b: 2, hq: 2, hk: 1, t: 3, s: 9, dk: 8, dv: 8 },
-            Dims { b: 1, hq: 2, hk: 1, t: 5, s: 5, dk: 4, dv: 0 },
-            Dims { b: 1, hq: 2, hk: 1, t: 0, s: 0, dk: 4, dv: 4 },
+            Dims { b: 2, hq: 8, hk: 2, t: 150, s: 150, dk: 16, dv: 24, products: TileProducts::Native },
+            Dims { b: 1, hq: 4, hk: 4, t: 130, s: 140, dk: 12, dv: 20, products: TileProducts::Native },
+            Dims { b: 2, hq: 2, hk: 1, t: 3, s: 9, dk: 8, dv: 8, products: TileProducts::Native },
+            Dims { b: 1, hq: 2, hk: 1, t: 5, s: 5, dk: 4, dv: 0, products: TileProducts::Native },
+            Dims { b: 1, hq: 2, hk: 1, t: 0, s: 0, dk: 4, dv: 4, products: TileProducts::Native },
         ];
         for d in cases {
             let off = d.s - d.t;
@@ -1232,7 +1257,7 @@ mod tests {
     /// public path only ever runs the best one the CPU has.
     #[test]
     fn all_isa_variants_agree() {
-        let d = Dims { b: 1, hq: 4, hk: 2, t: 150, s: 170, dk: 12, dv: 20 };
+        let d = Dims { b: 1, hq: 4, hk: 2, t: 150, s: 170, dk: 12, dv: 20, products: TileProducts::Native };
         let off = 20;
         let gen = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect() };
         let q = gen(d.b * d.hq * d.t * d.dk, 0.1);
@@ -1279,7 +1304,7 @@ mod tests {
             (3, 2, 1, 300, 300, 8, 8, 0),
         ];
         for (b, hq, hk, t, s, dk, dv, off) in cases {
-            let d = Dims { b, hq, hk, t, s, dk, dv };
+            let d = Dims { b, hq, hk, t, s, dk, dv, products: TileProducts::Native };
             assert!(grouped(&d), "{d:?}");
             let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
             let (q, k, v) = (gen(b * hq * t * dk, 0.1), gen(b * hk * s * dk, 0.2), gen(b * hk * s * dv, 0.3));
@@ -1315,7 +1340,7 @@ mod tests {
             (1, 2, 2, 3, 9, 3, 5, 6),         // few rows
         ];
         for (b, hq, hk, t, s, dk, dv, off) in cases {
-            let d = Dims { b, hq, hk, t, s, dk, dv };
+            let d = Dims { b, hq, hk, t, s, dk, dv, products: TileProducts::Native };
             let gen = |n: usize, p: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 * 0.37 + p).sin()).collect() };
             let q = gen(b * hq * t * dk, 0.1);
             let k = gen(b * hk * s * dk, 0.2);

@@ -73,3 +73,4 @@ pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_to_heads};
 pub use softmax::softmax_last_dim;
 pub use swiglu::swiglu;
+pub use tile::TileProducts;

@@ -10,8 +10,53 @@
 //! accumulators either way), so neither operand is copied. f32 on AVX-512F only; every other
 //! type or CPU goes to `gemm` (single-threaded: the parallelism is over the kernels' tasks).
 
+use crate::bf16_matmul::{bf16_bits, bf16_pair, bf16_to_f32, to_bf16, to_bf16_pairs};
 use crate::float::Float;
 use std::any::TypeId;
+
+/// How the attention kernels multiply their tiles.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TileProducts {
+    /// In the tensors' own dtype.
+    #[default]
+    Native,
+    /// bf16 values with f32 sums ([`mm_rows_bf16`]) for f32 tensors, as `--precision bf16`
+    /// multiplies in the linear layers; f64 tensors stay native.
+    Bf16,
+}
+
+/// A tile product as `products` says: [`mm_rows`], or [`mm_rows_bf16`] for f32 values.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn mm_tile<T: Float>(
+    products: TileProducts,
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [T],
+    ldc: usize,
+    acc: bool,
+    a: &[T],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[T],
+    ldb: usize,
+    beta: T,
+) {
+    if products == TileProducts::Bf16 && TypeId::of::<T>() == TypeId::of::<f32>() {
+        // SAFETY: T is f32 (checked above): the casts only rename the element type.
+        let (c, a, b, beta) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(c.as_mut_ptr() as *mut f32, c.len()),
+                std::slice::from_raw_parts(a.as_ptr() as *const f32, a.len()),
+                std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len()),
+                *(&beta as *const T as *const f32),
+            )
+        };
+        return mm_rows_bf16(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta);
+    }
+    mm_rows(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta)
+}
 
 /// `C = (acc ? C : 0) + beta · A B`: `C` is `m × n` row-major with row stride `ldc`; `A` is
 /// `m × k` with element `(i, p)` at `a[i * a_rs + p * a_cs]`; `B` is `k × n` with row `p` at
@@ -35,7 +80,6 @@ pub(crate) fn mm_rows<T: Float>(
     if m == 0 || n == 0 {
         return;
     }
-    let last = |rs: usize, cs: usize, r: usize, c: usize| (r - 1) * rs + (c - 1) * cs;
     assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows: C out of bounds");
     if k == 0 {
         if !acc {
@@ -95,6 +139,112 @@ pub(crate) fn mm_rows<T: Float>(
     }
 }
 
+/// The index of the last element of a `r × c` matrix with strides `rs`, `cs` (r, c > 0).
+fn last(rs: usize, cs: usize, r: usize, c: usize) -> usize {
+    (r - 1) * rs + (c - 1) * cs
+}
+
+thread_local! {
+    /// [`mm_rows_bf16`]'s converted operands (`A`, `B`), kept between calls.
+    static PAIRS: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// [`mm_rows`] with bf16 products, f32 only: every value of `A` and `B` is rounded to bf16 (to
+/// nearest, ties to even, as [`crate::bf16_matmul`] rounds) and the products are summed in f32:
+/// the attention kernels' tiles under `--precision bf16`. With AVX512_BF16, both operands are
+/// first converted into pairs along `k` (`vdpbf16ps` multiplies two values of `k` per lane, half
+/// the instructions of f32 FMAs; a tile's operands are small and in L1, so converting them per
+/// call costs a fraction of the product). Elsewhere the rounded values go through [`mm_rows`]:
+/// the same products, summed in another order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mm_rows_bf16(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    ldc: usize,
+    acc: bool,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    beta: f32,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return mm_rows(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta);
+    }
+    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows_bf16: C out of bounds");
+    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm_rows_bf16: A out of bounds");
+    assert!(last(ldb, 1, k, n) < b.len(), "mm_rows_bf16: B out of bounds");
+    #[cfg(target_arch = "x86_64")]
+    if avx512::bf16_available() {
+        let pairs = k.div_ceil(2);
+        PAIRS.with(|buf| {
+            let (ap, bp) = &mut *buf.borrow_mut();
+            // B's pair row p holds rows 2p and 2p + 1 (zero for a missing last row).
+            bp.resize(pairs * n, 0);
+            for (p, run) in bp.chunks_exact_mut(n).enumerate() {
+                let row = |r: usize| &b[r * ldb..r * ldb + n];
+                // SAFETY: the CPU has AVX512_BF16 (checked above); the rows hold n values each.
+                unsafe { to_bf16_pairs(row(2 * p), (2 * p + 1 < k).then(|| row(2 * p + 1)), run) };
+            }
+            // A's pair (i, p) at ap[i * a_prs + p * a_pcs].
+            ap.resize(m * pairs, 0);
+            let (a_prs, a_pcs) = if a_cs == 1 {
+                // Rows contiguous: a row's bf16 values, read as u32, are its pairs.
+                for (i, run) in ap.chunks_exact_mut(pairs).enumerate() {
+                    // SAFETY: u16 has no stricter alignment than u32, and the run holds 2·pairs
+                    // u16 (k, and one of padding when k is odd).
+                    let halves = unsafe { std::slice::from_raw_parts_mut(run.as_mut_ptr() as *mut u16, 2 * pairs) };
+                    halves[2 * pairs - 1] = 0;
+                    // SAFETY: as above (AVX512_BF16); the source row holds k values.
+                    unsafe { to_bf16(&a[i * a_rs..i * a_rs + k], &mut halves[..k]) };
+                }
+                (pairs, 1)
+            } else if a_rs == 1 {
+                // Columns contiguous (a transposed operand): columns 2p and 2p + 1 give the pairs
+                // of every row, 16 rows per step.
+                for (p, run) in ap.chunks_exact_mut(m).enumerate() {
+                    let col = |j: usize| &a[j * a_cs..j * a_cs + m];
+                    // SAFETY: as above; the columns hold m values each.
+                    unsafe { to_bf16_pairs(col(2 * p), (2 * p + 1 < k).then(|| col(2 * p + 1)), run) };
+                }
+                (1, m)
+            } else {
+                for (i, run) in ap.chunks_exact_mut(pairs).enumerate() {
+                    for (p, x) in run.iter_mut().enumerate() {
+                        let hi = if 2 * p + 1 < k { a[i * a_rs + (2 * p + 1) * a_cs] } else { 0.0 };
+                        *x = bf16_pair(a[i * a_rs + 2 * p * a_cs], hi);
+                    }
+                }
+                (pairs, 1)
+            };
+            let ops = avx512::Operands {
+                k: pairs,
+                c: c.as_mut_ptr(),
+                ldc,
+                acc,
+                a: ap.as_ptr(),
+                a_rs: a_prs,
+                a_cs: a_pcs,
+                b: bp.as_ptr(),
+                ldb: n,
+                beta,
+            };
+            // SAFETY: the kernel reads pairs (i < m, p < pairs) of `ap` and (p, j < n) of `bp`,
+            // all written above, and writes C inside `c` (asserted above); the CPU has
+            // AVX512_BF16 and AVX-512F.
+            unsafe { avx512::mm_rows_bf16(m, n, ops) };
+        });
+        return;
+    }
+    let round = |x: f32| bf16_to_f32(bf16_bits(x));
+    let ar: Vec<f32> = (0..m * k).map(|x| round(a[(x / k) * a_rs + (x % k) * a_cs])).collect();
+    let br: Vec<f32> = (0..k * n).map(|x| round(b[(x / n) * ldb + x % n])).collect();
+    mm_rows(m, n, k, c, ldc, acc, &ar, k, 1, &br, n, beta)
+}
+
 /// `dst[c * ld + r] = src[r * cols + c]`: `src` `[rows, cols]` row-major into `dst` `[cols, ld]`
 /// (`rows <= ld`), the other columns of `dst` left as they are.
 #[inline(always)]
@@ -123,25 +273,103 @@ mod avx512 {
         *AVX512.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
     }
 
+    pub(super) fn bf16_available() -> bool {
+        static AVX512_BF16: OnceLock<bool> = OnceLock::new();
+        *AVX512_BF16.get_or_init(|| available() && std::is_x86_feature_detected!("avx512bf16"))
+    }
+
     /// [`super::mm_rows`]'s operands as checked pointers (`c`, `a` and `b` at a tile's first
-    /// element inside the kernel).
-    #[derive(Clone, Copy)]
-    pub(super) struct Operands {
+    /// element inside the kernel); `E` is what one step over `k` reads of `A` and `B`: an f32
+    /// value, or a pair of bf16 values packed in a u32 (then `k` counts pairs).
+    pub(super) struct Operands<E> {
         pub(super) k: usize,
         pub(super) c: *mut f32,
         pub(super) ldc: usize,
         pub(super) acc: bool,
-        pub(super) a: *const f32,
+        pub(super) a: *const E,
         pub(super) a_rs: usize,
         pub(super) a_cs: usize,
-        pub(super) b: *const f32,
+        pub(super) b: *const E,
         pub(super) ldb: usize,
         pub(super) beta: f32,
     }
 
-    /// The `m × n` product of `ops`, tile by tile.
+    impl<E> Clone for Operands<E> {
+        fn clone(&self) -> Self {
+            *self
+        }
+    }
+
+    impl<E> Copy for Operands<E> {}
+
+    /// One step of a tile: broadcast a value of `A`, multiply a vector of `B`, add.
+    pub(super) trait Step {
+        type Elem;
+        /// The vector of `B` at `p` (`mask`: its lanes).
+        unsafe fn load(p: *const Self::Elem, mask: __mmask16) -> __m512;
+        /// `A`'s value at `p` in every lane.
+        unsafe fn broadcast(p: *const Self::Elem) -> __m512;
+        /// `acc + x·b`, lane by lane.
+        unsafe fn madd(acc: __m512, x: __m512, b: __m512) -> __m512;
+    }
+
+    /// f32 values: one FMA per value of k.
+    pub(super) struct F32;
+
+    impl Step for F32 {
+        type Elem = f32;
+        #[inline(always)]
+        unsafe fn load(p: *const f32, mask: __mmask16) -> __m512 {
+            _mm512_maskz_loadu_ps(mask, p)
+        }
+        #[inline(always)]
+        unsafe fn broadcast(p: *const f32) -> __m512 {
+            _mm512_set1_ps(*p)
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, x: __m512, b: __m512) -> __m512 {
+            _mm512_fmadd_ps(x, b, acc)
+        }
+    }
+
+    /// Pairs of bf16 values along k: one `vdpbf16ps` (two products per lane) per pair.
+    pub(super) struct Bf16Pairs;
+
+    impl Step for Bf16Pairs {
+        type Elem = u32;
+        #[inline(always)]
+        unsafe fn load(p: *const u32, mask: __mmask16) -> __m512 {
+            _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, p as *const i32))
+        }
+        #[inline(always)]
+        unsafe fn broadcast(p: *const u32) -> __m512 {
+            _mm512_castsi512_ps(_mm512_set1_epi32(*p as i32))
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, x: __m512, b: __m512) -> __m512 {
+            _mm512_dpbf16_ps(
+                acc,
+                std::mem::transmute::<__m512, __m512bh>(x),
+                std::mem::transmute::<__m512, __m512bh>(b),
+            )
+        }
+    }
+
+    /// The `m × n` product of `ops`, tile by tile, in f32.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn mm_rows(m: usize, n: usize, ops: Operands) {
+    pub(super) unsafe fn mm_rows(m: usize, n: usize, ops: Operands<f32>) {
+        panels::<F32>(m, n, ops)
+    }
+
+    /// The `m × n` product of `ops` on bf16 pairs.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn mm_rows_bf16(m: usize, n: usize, ops: Operands<u32>) {
+        panels::<Bf16Pairs>(m, n, ops)
+    }
+
+    /// The `m × n` product of `ops`, tile by tile.
+    #[inline(always)]
+    unsafe fn panels<S: Step>(m: usize, n: usize, ops: Operands<S::Elem>) {
         // lanes of vector v of a panel w columns wide
         let masks = |w: usize| {
             let lanes = |v: usize| w.saturating_sub(16 * v).min(16);
@@ -159,7 +387,7 @@ mod avx512 {
                 let rows = (m - i0).min(if wide { MR_WIDE } else { MR });
                 let at =
                     Operands { c: ops.c.add(i0 * ops.ldc + j0), a: ops.a.add(i0 * ops.a_rs), b: ops.b.add(j0), ..ops };
-                let t = Tile { ops: at, masks: masks(w) };
+                let t = Tile::<S> { ops: at, masks: masks(w) };
                 match (rows, wide, w > 16) {
                     (12, false, true) => t.run::<12, 2>(),
                     (12, false, false) => t.run::<12, 1>(),
@@ -174,12 +402,12 @@ mod avx512 {
     }
 
     /// One micro-tile: `R` rows of C, `V` vectors wide from column `j0` (`masks`: each vector's lanes).
-    struct Tile {
-        ops: Operands,
+    struct Tile<S: Step> {
+        ops: Operands<S::Elem>,
         masks: [__mmask16; 4],
     }
 
-    impl Tile {
+    impl<S: Step> Tile<S> {
         /// The last rows of a block (fewer than `MR`), one monomorphised tile per count.
         #[inline(always)]
         unsafe fn run_short(&self, rows: usize, two: bool) {
@@ -215,12 +443,12 @@ mod avx512 {
             for _ in 0..ops.k {
                 let mut bv = [_mm512_setzero_ps(); V];
                 for v in 0..V {
-                    bv[v] = _mm512_maskz_loadu_ps(masks[v], bp.add(16 * v));
+                    bv[v] = S::load(bp.add(16 * v), masks[v]);
                 }
                 for (r, sr) in s.iter_mut().enumerate() {
-                    let x = _mm512_set1_ps(*ap.add(r * ops.a_rs));
+                    let x = S::broadcast(ap.add(r * ops.a_rs));
                     for (acc, &bv) in sr.iter_mut().zip(&bv) {
-                        *acc = _mm512_fmadd_ps(x, bv, *acc);
+                        *acc = S::madd(*acc, x, bv);
                     }
                 }
                 ap = ap.add(ops.a_cs);
@@ -281,11 +509,11 @@ mod tests {
             .collect()
     }
 
-    /// Awkward shapes (tails of the 12-row tiles and of the 16-lane vectors, one column, k = 1),
-    /// both layouts of A, accumulate or overwrite, padding between rows of C and B that must
-    /// stay untouched: against the f64 product of the same f32 values.
-    #[test]
-    fn matches_f64_product_on_awkward_shapes() {
+    /// Awkward shapes (tails of the 12-row tiles and of the 16-lane vectors, one column, k = 1,
+    /// odd k), A by rows, by columns or with neither stride 1, accumulate or overwrite, padding
+    /// between rows of C and B that must stay untouched: `product` against the f64 product of
+    /// the same values after `round`, within `rel` per sqrt(k).
+    fn check_awkward_shapes(product: Product, round: fn(f32) -> f32, rel: f64) {
         for &(m, n, k) in &[
             (1, 1, 1),
             (12, 32, 32),
@@ -297,33 +525,82 @@ mod tests {
             (11, 70, 40),
             (7, 100, 5),
             (6, 64, 9),
+            (64, 128, 33),
         ] {
-            for a_transposed in [false, true] {
+            for a_layout in 0..3 {
                 for acc in [false, true] {
                     let (ldc, ldb) = (n + 3, n + 5);
-                    let (a_rs, a_cs) = if a_transposed { (1, m + 2) } else { (k + 1, 1) };
+                    let (a_rs, a_cs) = match a_layout {
+                        0 => (k + 1, 1),
+                        1 => (1, m + 2),
+                        _ => (2 * k + 1, 2),
+                    };
                     let a = values((m - 1) * a_rs + (k - 1) * a_cs + 1, 1);
                     let b = values(k * ldb, 2);
                     let c0 = values(m * ldc, 3);
                     let mut c = c0.clone();
-                    mm_rows(m, n, k, &mut c, ldc, acc, &a, a_rs, a_cs, &b, ldb, 0.7f32);
+                    product(m, n, k, &mut c, ldc, acc, &a, a_rs, a_cs, &b, ldb, 0.7f32);
+                    let (ar, br): (Vec<f32>, Vec<f32>) =
+                        (a.iter().map(|&x| round(x)).collect(), b.iter().map(|&x| round(x)).collect());
                     let mut want: Vec<f64> = c0.iter().map(|&x| x as f64).collect();
-                    naive(m, n, k, &mut want, ldc, acc, &a, a_rs, a_cs, &b, ldb, 0.7f32 as f64);
+                    naive(m, n, k, &mut want, ldc, acc, &ar, a_rs, a_cs, &br, ldb, 0.7f32 as f64);
                     for i in 0..m {
                         for j in 0..ldc {
                             let (got, want) = (c[i * ldc + j] as f64, want[i * ldc + j]);
                             if j >= n {
                                 assert_eq!(c[i * ldc + j], c0[i * ldc + j], "padding written at ({i}, {j})");
                             } else {
-                                let tol = 1e-6 * (k as f64).sqrt() * (1.0 + want.abs());
+                                let tol = rel * (k as f64).sqrt() * (1.0 + want.abs());
                                 assert!(
                                     (got - want).abs() <= tol,
-                                    "{m}x{n}x{k} acc {acc} at ({i}, {j}): {got} vs {want}"
+                                    "{m}x{n}x{k} A layout {a_layout} acc {acc} at ({i}, {j}): {got} vs {want}"
                                 );
                             }
                         }
                     }
                 }
+            }
+        }
+    }
+
+    type Product = fn(usize, usize, usize, &mut [f32], usize, bool, &[f32], usize, usize, &[f32], usize, f32);
+
+    #[test]
+    fn matches_f64_product_on_awkward_shapes() {
+        check_awkward_shapes(mm_rows::<f32>, |x| x, 1e-6);
+    }
+
+    /// The bf16 products equal the f64 products of the rounded values up to f32 sums: a kernel
+    /// that skipped the rounding, a pair, or the padding of an odd k would be off by ~1e-3.
+    #[test]
+    fn bf16_matches_f64_product_of_rounded_values() {
+        check_awkward_shapes(mm_rows_bf16, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
+    }
+
+    #[test]
+    #[ignore]
+    fn probe_speed() {
+        for &(m, n, k, tr) in
+            &[(64usize, 128usize, 32usize, false), (128, 32, 64, true), (64, 32, 128, false), (128, 128, 32, false)]
+        {
+            let (a_rs, a_cs) = if tr { (1, m) } else { (k, 1) };
+            let a = values(m * k, 1);
+            let b = values(k * n, 2);
+            let mut c = vec![0f32; m * n];
+            for bf in [false, true, false, true] {
+                let t0 = std::time::Instant::now();
+                for _ in 0..20000 {
+                    if bf {
+                        mm_rows_bf16(m, n, k, &mut c, n, true, &a, a_rs, a_cs, &b, n, 1.0)
+                    } else {
+                        mm_rows(m, n, k, &mut c, n, true, &a, a_rs, a_cs, &b, n, 1.0f32)
+                    }
+                }
+                let dt = t0.elapsed().as_secs_f64();
+                eprintln!(
+                    "{m}x{n}x{k} tr {tr} bf16 {bf}: {:.1} GFLOP/s",
+                    2.0 * (m * n * k) as f64 * 20000.0 / dt / 1e9
+                );
             }
         }
     }

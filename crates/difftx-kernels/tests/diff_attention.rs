@@ -5,7 +5,7 @@
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use common::{finite_diff, flat, max_rel_vec, rand_t, rel_err};
-use difftx_kernels::PairLayout;
+use difftx_kernels::{PairLayout, TileProducts};
 
 /// The composition the op replaces.
 fn composed(
@@ -18,7 +18,7 @@ fn composed(
     off: usize,
 ) -> Result<Tensor> {
     let v2 = difftx_kernels::pair_values(v, layout)?;
-    let o = difftx_kernels::flash_attention(q, k, &v2, scale, off)?;
+    let o = difftx_kernels::flash_attention(q, k, &v2, scale, off, TileProducts::Native)?;
     difftx_kernels::diff_combine_pairs(&o, l, layout)
 }
 
@@ -100,7 +100,7 @@ fn matches_the_composition_forward_and_backward() -> Result<()> {
             let what = format!("{dt:?} case {i} {layout:?}");
             let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
             check_against_composition(
-                &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, scale, off),
+                &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, scale, off, TileProducts::Native),
                 &|q, k, v, l| composed(q, k, v, l, layout, scale, off),
                 [&q, &k, &v, &l],
                 &w,
@@ -123,7 +123,7 @@ fn backward_matches_finite_differences_f64() -> Result<()> {
         let l0 = Tensor::new(&[0.45f64], &Device::Cpu)?;
         let w = rand_t(&[b, hq / 2, t, 2 * dv], 34, 1.0, DType::F64)?;
         check_finite_differences(
-            &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, 0.5, off),
+            &|q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, layout, 0.5, off, TileProducts::Native),
             [&q0, &k0, &v0, &l0],
             &w,
             &format!("{layout:?}"),
@@ -139,22 +139,43 @@ fn bad_inputs_are_errors() -> Result<()> {
     let v = rand_t(&[1, 2, 3, 4], 3, 1.0, DType::F32)?;
     let l = Tensor::new(&[0.5f32], &Device::Cpu)?;
     // interleaved pairs with GQA: query pair (0, 1) reads kv head 0 twice
-    let e = difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Interleaved, 0.5, 0).unwrap_err();
+    let e = difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Interleaved, 0.5, 0, TileProducts::Native)
+        .unwrap_err();
     assert!(e.to_string().contains("not a pair"), "{e}");
-    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Halves, 0.5, 0).is_ok());
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l, PairLayout::Halves, 0.5, 0, TileProducts::Native).is_ok());
     let odd = rand_t(&[1, 3, 3, 4], 4, 1.0, DType::F32)?;
-    assert!(difftx_kernels::diff_attention(&odd, &odd, &odd.narrow(3, 0, 2)?, &l, PairLayout::Halves, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_attention(
+        &odd,
+        &odd,
+        &odd.narrow(3, 0, 2)?,
+        &l,
+        PairLayout::Halves,
+        0.5,
+        0,
+        TileProducts::Native
+    )
+    .is_err());
     let two = Tensor::new(&[0.5f32, 0.1], &Device::Cpu)?;
-    assert!(difftx_kernels::diff_attention(&q, &k, &v, &two, PairLayout::Halves, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &two, PairLayout::Halves, 0.5, 0, TileProducts::Native).is_err());
     let l64 = Tensor::new(&[0.5f64], &Device::Cpu)?;
-    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l64, PairLayout::Halves, 0.5, 0).is_err());
-    assert!(difftx_kernels::diff_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, PairLayout::Halves, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_attention(&q, &k, &v, &l64, PairLayout::Halves, 0.5, 0, TileProducts::Native).is_err());
+    assert!(difftx_kernels::diff_attention(
+        &q,
+        &k.narrow(3, 0, 3)?,
+        &v,
+        &l,
+        PairLayout::Halves,
+        0.5,
+        0,
+        TileProducts::Native
+    )
+    .is_err());
     Ok(())
 }
 
 /// diff-v2's composition: flash over all query heads, then pairs (2j, 2j+1) with a λ per position.
 fn composed_v2(q: &Tensor, k: &Tensor, v: &Tensor, l: &Tensor, scale: f64, off: usize) -> Result<Tensor> {
-    let o = difftx_kernels::flash_attention(q, k, v, scale, off)?;
+    let o = difftx_kernels::flash_attention(q, k, v, scale, off, TileProducts::Native)?;
     difftx_kernels::diff_combine_pairs(&o, l, PairLayout::Interleaved)
 }
 
@@ -186,7 +207,7 @@ fn v2_matches_the_composition_forward_and_backward() -> Result<()> {
             let what = format!("{dt:?} v2 case {i}");
             let tol = if dt == DType::F64 { 1e-12 } else { 1e-5 };
             check_against_composition(
-                &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, scale, off),
+                &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, scale, off, TileProducts::Native),
                 &|q, k, v, l| composed_v2(q, k, v, l, scale, off),
                 [&q, &k, &v, &l],
                 &w,
@@ -210,7 +231,7 @@ fn v2_backward_matches_finite_differences_f64() -> Result<()> {
         let l0 = ((rand_t(&[b, hq / 2, t], 44, 1.0, DType::F64)? * 0.4)? + 0.5)?;
         let w = rand_t(&[b, hq / 2, t, dv], 45, 1.0, DType::F64)?;
         check_finite_differences(
-            &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, 0.5, off),
+            &|q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, 0.5, off, TileProducts::Native),
             [&q0, &k0, &v0, &l0],
             &w,
             &format!("Hq {hq} Hk {hk}"),
@@ -225,20 +246,22 @@ fn v2_bad_inputs_are_errors() -> Result<()> {
     let k = rand_t(&[1, 2, 3, 4], 2, 1.0, DType::F32)?;
     let v = rand_t(&[1, 2, 3, 4], 3, 1.0, DType::F32)?;
     let l = rand_t(&[1, 2, 3], 4, 1.0, DType::F32)?;
-    assert!(difftx_kernels::diff_v2_attention(&q, &k, &v, &l, 0.5, 0).is_ok());
+    assert!(difftx_kernels::diff_v2_attention(&q, &k, &v, &l, 0.5, 0, TileProducts::Native).is_ok());
     // one query head per kv head: pair (0, 1) reads kv heads 0 and 1
     let k4 = rand_t(&[1, 4, 3, 4], 5, 1.0, DType::F32)?;
-    let e = difftx_kernels::diff_v2_attention(&q, &k4, &k4, &l, 0.5, 0).unwrap_err();
+    let e = difftx_kernels::diff_v2_attention(&q, &k4, &k4, &l, 0.5, 0, TileProducts::Native).unwrap_err();
     assert!(e.to_string().contains("two kv heads"), "{e}");
     // λ not one per pair and position, or of another dtype
     let one = Tensor::new(&[0.5f32], &Device::Cpu)?;
-    let e = difftx_kernels::diff_v2_attention(&q, &k, &v, &one, 0.5, 0).unwrap_err();
+    let e = difftx_kernels::diff_v2_attention(&q, &k, &v, &one, 0.5, 0, TileProducts::Native).unwrap_err();
     assert!(e.to_string().contains("6 elements"), "{e}");
-    assert!(difftx_kernels::diff_v2_attention(&q, &k, &v, &l.to_dtype(DType::F64)?, 0.5, 0).is_err());
+    assert!(
+        difftx_kernels::diff_v2_attention(&q, &k, &v, &l.to_dtype(DType::F64)?, 0.5, 0, TileProducts::Native).is_err()
+    );
     // odd query heads, mismatched head dims
     let odd = rand_t(&[1, 3, 3, 4], 6, 1.0, DType::F32)?;
-    assert!(difftx_kernels::diff_v2_attention(&odd, &k, &v, &l, 0.5, 0).is_err());
-    assert!(difftx_kernels::diff_v2_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, 0.5, 0).is_err());
+    assert!(difftx_kernels::diff_v2_attention(&odd, &k, &v, &l, 0.5, 0, TileProducts::Native).is_err());
+    assert!(difftx_kernels::diff_v2_attention(&q, &k.narrow(3, 0, 3)?, &v, &l, 0.5, 0, TileProducts::Native).is_err());
     Ok(())
 }
 
@@ -258,6 +281,7 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
             PairLayout::Halves,
             0.5,
             0,
+            TileProducts::Native,
         )?;
         assert_eq!(z.dims(), &[b, hq / 2, t, 2 * d]);
         let g = z.sum_all()?.backward()?;
@@ -267,7 +291,7 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
         // diff-v2: a pair per kv head
         let l2 = Tensor::zeros((b, hq / 2, t), DType::F32, &Device::Cpu)?;
         let (k2, v2) = (k.as_tensor().narrow(1, 0, hq / 2)?, v.as_tensor().narrow(1, 0, hq / 2)?);
-        let z2 = difftx_kernels::diff_v2_attention(q.as_tensor(), &k2, &v2, &l2, 0.5, 0)?;
+        let z2 = difftx_kernels::diff_v2_attention(q.as_tensor(), &k2, &v2, &l2, 0.5, 0, TileProducts::Native)?;
         assert_eq!(z2.dims(), &[b, hq / 2, t, d]);
         let g = z2.sum_all()?.backward()?;
         assert_eq!(g.get(q.as_tensor()).unwrap().dims(), q.dims());
@@ -275,61 +299,108 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
     Ok(())
 }
 
-/// The f32 ops against the same ops in f64 on bench-s's head layouts and head dim (32), T cut
-/// into partial tiles: the shared-map backward tasks and flash's one-pass backward, whose f32
-/// tile products run through the AVX-512 tile kernel on CPUs that have it (the f64 ones through
-/// gemm), forward and every gradient within f32 rounding.
-#[test]
-fn f32_matches_f64_at_bench_head_layouts() -> Result<()> {
+/// The three ops with their inputs and the weights of a weighted sum, as f64 values, at bench-s's
+/// head layouts and head dim (32), T cut into partial tiles.
+struct BenchHeads {
+    name: &'static str,
+    op: Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, TileProducts) -> Result<Tensor>>,
+    x64: [Tensor; 4],
+    /// Whether λ is an input (baseline: no).
+    lambda: bool,
+    seed: u64,
+}
+
+fn bench_heads() -> Result<Vec<BenchHeads>> {
     let (b, t, d) = (8, 150, 32);
     let scale = 1.0 / (d as f64).sqrt();
-    type Op = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>>;
+    type Op = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, TileProducts) -> Result<Tensor>>;
     let cases: [(&str, usize, usize, usize, Op); 3] = [
-        ("baseline", 8, 8, 0, Box::new(move |q, k, v, _| difftx_kernels::flash_attention(q, k, v, scale, 0))),
+        ("baseline", 8, 8, 0, Box::new(move |q, k, v, _, p| difftx_kernels::flash_attention(q, k, v, scale, 0, p))),
         (
             "diff-v1",
             8,
             8,
             1,
-            Box::new(move |q, k, v, l| difftx_kernels::diff_attention(q, k, v, l, PairLayout::Halves, scale, 0)),
+            Box::new(move |q, k, v, l, p| difftx_kernels::diff_attention(q, k, v, l, PairLayout::Halves, scale, 0, p)),
         ),
         (
             "diff-v2",
             16,
             4,
             b * 8 * t,
-            Box::new(move |q, k, v, l| difftx_kernels::diff_v2_attention(q, k, v, l, scale, 0)),
+            Box::new(move |q, k, v, l, p| difftx_kernels::diff_v2_attention(q, k, v, l, scale, 0, p)),
         ),
     ];
-    for (i, (name, hq, hk, n_lambda, op)) in cases.into_iter().enumerate() {
-        let seed = 500 + 10 * i as u64;
-        let x64 = [
-            rand_t(&[b, hq, t, d], seed, 1.0, DType::F64)?,
-            rand_t(&[b, hk, t, d], seed + 1, 1.0, DType::F64)?,
-            rand_t(&[b, hk, t, d], seed + 2, 1.0, DType::F64)?,
-            ((rand_t(&[n_lambda.max(1)], seed + 3, 1.0, DType::F64)? * 0.4)? + 0.5)?.reshape(if n_lambda > 1 {
-                vec![b, hq / 2, t, 1]
-            } else {
-                vec![1]
-            })?,
-        ];
-        let grads = |dt: DType| -> Result<(Tensor, Vec<Tensor>)> {
-            let x: Vec<Var> = x64.iter().map(|x| Var::from_tensor(&x.to_dtype(dt)?)).collect::<Result<_>>()?;
-            let z = op(x[0].as_tensor(), x[1].as_tensor(), x[2].as_tensor(), x[3].as_tensor())?;
-            let w = rand_t(z.dims(), seed + 4, 1.0, dt)?;
-            let g = (&z * &w)?.sum_all()?.backward()?;
-            let n = if n_lambda == 0 { 3 } else { 4 };
-            let gs =
-                x[..n].iter().map(|x| g.get(x.as_tensor()).unwrap().to_dtype(DType::F64)).collect::<Result<_>>()?;
-            Ok((z.to_dtype(DType::F64)?, gs))
-        };
-        let (z32, g32) = grads(DType::F32)?;
-        let (z64, g64) = grads(DType::F64)?;
+    cases
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, hq, hk, n_lambda, op))| {
+            let seed = 500 + 10 * i as u64;
+            let x64 =
+                [
+                    rand_t(&[b, hq, t, d], seed, 1.0, DType::F64)?,
+                    rand_t(&[b, hk, t, d], seed + 1, 1.0, DType::F64)?,
+                    rand_t(&[b, hk, t, d], seed + 2, 1.0, DType::F64)?,
+                    ((rand_t(&[n_lambda.max(1)], seed + 3, 1.0, DType::F64)? * 0.4)? + 0.5)?
+                        .reshape(if n_lambda > 1 { vec![b, hq / 2, t, 1] } else { vec![1] })?,
+                ];
+            Ok(BenchHeads { name, op, x64, lambda: n_lambda > 0, seed })
+        })
+        .collect()
+}
+
+impl BenchHeads {
+    /// The output and the gradients of the weighted sum (q, k, v, and λ where it is an input),
+    /// in `dt` with `products`, as f64.
+    fn run(&self, dt: DType, products: TileProducts) -> Result<(Tensor, Vec<Tensor>)> {
+        let x: Vec<Var> = self.x64.iter().map(|x| Var::from_tensor(&x.to_dtype(dt)?)).collect::<Result<_>>()?;
+        let z = (self.op)(x[0].as_tensor(), x[1].as_tensor(), x[2].as_tensor(), x[3].as_tensor(), products)?;
+        let w = rand_t(z.dims(), self.seed + 4, 1.0, dt)?;
+        let g = (&z * &w)?.sum_all()?.backward()?;
+        let n = if self.lambda { 4 } else { 3 };
+        let gs = x[..n].iter().map(|x| g.get(x.as_tensor()).unwrap().to_dtype(DType::F64)).collect::<Result<_>>()?;
+        Ok((z.to_dtype(DType::F64)?, gs))
+    }
+}
+
+/// The f32 ops against the same ops in f64 on bench-s's head layouts: the shared-map backward
+/// tasks and flash's one-pass backward, whose f32 tile products run through the AVX-512 tile
+/// kernel on CPUs that have it (the f64 ones through gemm), forward and every gradient within
+/// f32 rounding.
+#[test]
+fn f32_matches_f64_at_bench_head_layouts() -> Result<()> {
+    for case in bench_heads()? {
+        let (z32, g32) = case.run(DType::F32, TileProducts::Native)?;
+        let (z64, g64) = case.run(DType::F64, TileProducts::Native)?;
         let e = rel_err(&z32, &z64);
-        assert!(e < 1e-5, "{name}: forward {e}");
+        assert!(e < 1e-5, "{}: forward {e}", case.name);
         for ((what, a), b) in ["q", "k", "v", "lambda"].iter().zip(&g32).zip(&g64) {
             let e = rel_err(a, b);
-            assert!(e < 1e-5, "{name}: d{what} {e}");
+            assert!(e < 1e-5, "{}: d{what} {e}", case.name);
+        }
+    }
+    Ok(())
+}
+
+/// bf16 tile products (`--precision bf16`): the f32 ops within bf16 error of the f64 ones,
+/// forward and every gradient (measured 0.3-0.5% of the largest value; λ's gradient, a sum over
+/// every score, 1e-4), and off by more than f32's 1e-6 (the products are rounded: on CPUs
+/// without AVX512_BF16 by rounded copies); f64 tensors ignore the setting.
+#[test]
+fn bf16_products_within_bf16_error_at_bench_head_layouts() -> Result<()> {
+    for case in bench_heads()? {
+        let (z16, g16) = case.run(DType::F32, TileProducts::Bf16)?;
+        let (z64, g64) = case.run(DType::F64, TileProducts::Native)?;
+        let e = rel_err(&z16, &z64);
+        assert!((2e-5..1e-2).contains(&e), "{}: forward {e}", case.name);
+        for ((what, a), b) in ["q", "k", "v", "lambda"].iter().zip(&g16).zip(&g64) {
+            let e = rel_err(a, b);
+            assert!((2e-5..1e-2).contains(&e), "{}: d{what} {e}", case.name);
+        }
+        let (z64b, g64b) = case.run(DType::F64, TileProducts::Bf16)?;
+        assert_eq!(rel_err(&z64b, &z64), 0.0, "{}: f64 forward", case.name);
+        for (a, b) in g64b.iter().zip(&g64) {
+            assert_eq!(rel_err(a, b), 0.0, "{}: f64 gradients", case.name);
         }
     }
     Ok(())

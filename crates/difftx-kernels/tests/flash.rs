@@ -1,7 +1,7 @@
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use common::*;
-use difftx_kernels::flash_attention;
+use difftx_kernels::{flash_attention, TileProducts};
 
 /// Naive attention with candle's composed ops (materialises the [T, S] score map).
 fn attn_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, q_offset: usize) -> Result<Tensor> {
@@ -68,12 +68,12 @@ fn forward_matches_naive() -> Result<()> {
         let scale = 1.0 / (cs.dk as f64).sqrt();
         let (q, k, v) = inputs(cs, 100 * i as u64, DType::F64)?;
         let want = attn_ref(&q, &k, &v, scale, cs.off)?;
-        let got = flash_attention(&q, &k, &v, scale, cs.off)?;
+        let got = flash_attention(&q, &k, &v, scale, cs.off, TileProducts::Native)?;
         assert_eq!(got.dims(), &[cs.b, cs.hq, cs.t, cs.dv]);
         let err = rel_err(&got, &want);
         assert!(err < 1e-12, "f64 {cs:?}: err {err}");
         let (q32, k32, v32) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
-        let got = flash_attention(&q32, &k32, &v32, scale, cs.off)?;
+        let got = flash_attention(&q32, &k32, &v32, scale, cs.off, TileProducts::Native)?;
         assert_eq!(got.dtype(), DType::F32);
         let err = rel_err(&got, &want);
         assert!(err < 1e-5, "f32 {cs:?}: err {err}");
@@ -97,7 +97,8 @@ fn backward_matches_naive() -> Result<()> {
                 Var::from_tensor(&k.to_dtype(dt)?)?,
                 Var::from_tensor(&v.to_dtype(dt)?)?,
             );
-            let out = flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)?;
+            let out =
+                flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off, TileProducts::Native)?;
             let gf = (out * w.to_dtype(dt)?)?.sum_all()?.backward()?;
             let tol = if dt == DType::F64 { 1e-11 } else { 1e-5 };
             for (name, x, want) in [("dq", &qv, &want[0]), ("dk", &kv, &want[1]), ("dv", &vv, &want[2])] {
@@ -118,11 +119,13 @@ fn backward_finite_differences_f64() -> Result<()> {
         let (q, k, v) = inputs(&cs, 77, DType::F64)?;
         let w = rand_t(&[cs.b, cs.hq, cs.t, cs.dv], 78, 1.0, DType::F64)?;
         let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
-        let gf = (flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off)? * &w)?
-            .sum_all()?
-            .backward()?;
+        let gf =
+            (flash_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), scale, cs.off, TileProducts::Native)?
+                * &w)?
+                .sum_all()?
+                .backward()?;
         let loss = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<f64> {
-            (flash_attention(q, k, v, scale, cs.off)? * &w)?.sum_all()?.to_scalar()
+            (flash_attention(q, k, v, scale, cs.off, TileProducts::Native)? * &w)?.sum_all()?.to_scalar()
         };
         let fq = finite_diff(&q, |x| loss(x, &k, &v), 1e-5)?;
         let fk = finite_diff(&k, |x| loss(&q, x, &v), 1e-5)?;
@@ -143,7 +146,7 @@ fn non_contiguous_inputs() -> Result<()> {
     let k = rand_t(&[b, t, hk, d], 2, 1.0, DType::F32)?.transpose(1, 2)?;
     let v = rand_t(&[b, t, hk, 2 * d], 3, 1.0, DType::F32)?.transpose(1, 2)?;
     assert!(!q.is_contiguous());
-    let got = flash_attention(&q, &k, &v, 0.3, 0)?;
+    let got = flash_attention(&q, &k, &v, 0.3, 0, TileProducts::Native)?;
     let want = attn_ref(&q.to_dtype(DType::F64)?, &k.to_dtype(DType::F64)?, &v.to_dtype(DType::F64)?, 0.3, 0)?;
     let err = rel_err(&got, &want);
     assert!(err < 1e-5, "err {err}");
@@ -157,12 +160,12 @@ fn decode_step_equals_last_row_of_full_pass() -> Result<()> {
     let q = rand_t(&[b, hq, n, d], 11, 1.0, DType::F32)?;
     let k = rand_t(&[b, hk, n, d], 12, 1.0, DType::F32)?;
     let v = rand_t(&[b, hk, n, 2 * d], 13, 1.0, DType::F32)?;
-    let full = flash_attention(&q, &k, &v, 0.25, 0)?;
-    let last = flash_attention(&q.narrow(2, n - 1, 1)?, &k, &v, 0.25, n - 1)?;
+    let full = flash_attention(&q, &k, &v, 0.25, 0, TileProducts::Native)?;
+    let last = flash_attention(&q.narrow(2, n - 1, 1)?, &k, &v, 0.25, n - 1, TileProducts::Native)?;
     let err = rel_err(&last, &full.narrow(2, n - 1, 1)?);
     assert!(err < 1e-6, "err {err}");
     // and a chunk of 7 queries at the end
-    let tail = flash_attention(&q.narrow(2, n - 7, 7)?, &k, &v, 0.25, n - 7)?;
+    let tail = flash_attention(&q.narrow(2, n - 7, 7)?, &k, &v, 0.25, n - 7, TileProducts::Native)?;
     let err = rel_err(&tail, &full.narrow(2, n - 7, 7)?);
     assert!(err < 1e-6, "err {err}");
     Ok(())
@@ -173,11 +176,14 @@ fn bad_shapes_error() -> Result<()> {
     let q = rand_t(&[1, 3, 4, 8], 1, 1.0, DType::F32)?;
     let k = rand_t(&[1, 2, 4, 8], 2, 1.0, DType::F32)?;
     let v = rand_t(&[1, 2, 4, 8], 3, 1.0, DType::F32)?;
-    assert!(flash_attention(&q, &k, &v, 1.0, 0).is_err(), "Hq % Hk != 0");
+    assert!(flash_attention(&q, &k, &v, 1.0, 0, TileProducts::Native).is_err(), "Hq % Hk != 0");
     let q = rand_t(&[1, 2, 4, 6], 1, 1.0, DType::F32)?;
-    assert!(flash_attention(&q, &k, &v, 1.0, 0).is_err(), "dk mismatch");
+    assert!(flash_attention(&q, &k, &v, 1.0, 0, TileProducts::Native).is_err(), "dk mismatch");
     let q = rand_t(&[1, 2, 4, 8], 1, 1.0, DType::F16)?;
-    assert!(flash_attention(&q, &k.to_dtype(DType::F16)?, &v.to_dtype(DType::F16)?, 1.0, 0).is_err(), "f16");
+    assert!(
+        flash_attention(&q, &k.to_dtype(DType::F16)?, &v.to_dtype(DType::F16)?, 1.0, 0, TileProducts::Native).is_err(),
+        "f16"
+    );
     Ok(())
 }
 
@@ -196,7 +202,7 @@ fn long_sequence_f32_accuracy() -> Result<()> {
         Var::from_tensor(&k.to_dtype(DType::F32)?)?,
         Var::from_tensor(&v.to_dtype(DType::F32)?)?,
     );
-    let out = flash_attention(q32.as_tensor(), k32.as_tensor(), v32.as_tensor(), scale, 0)?;
+    let out = flash_attention(q32.as_tensor(), k32.as_tensor(), v32.as_tensor(), scale, 0, TileProducts::Native)?;
     let err = rel_err(&out, &want_out);
     assert!(err < 1e-5, "out err {err}");
     let gf = (out * w.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
@@ -213,7 +219,7 @@ fn backward_twice_through_the_same_graph() -> Result<()> {
     let cs = c(1, 4, 2, 20, 20, 8, 16, 0, 1.0);
     let (q, k, v) = inputs(&cs, 99, DType::F64)?;
     let qv = Var::from_tensor(&q)?;
-    let out = flash_attention(qv.as_tensor(), &k, &v, 0.5, 0)?;
+    let out = flash_attention(qv.as_tensor(), &k, &v, 0.5, 0, TileProducts::Native)?;
     let loss = out.sqr()?.sum_all()?;
     let g1 = loss.backward()?.get(qv.as_tensor()).unwrap().clone();
     let g2 = loss.backward()?.get(qv.as_tensor()).unwrap().clone();
