@@ -193,9 +193,10 @@ struct TrainArgs {
     /// backward) or reference (composed candle ops; slower, for checking).
     #[arg(long, default_value = "fused")]
     kernels: KernelChoice,
-    /// Matrix products of the linear layers: f32, or bf16 (inputs rounded to bf16, sums in f32,
-    /// on AMX or AVX512_BF16; where the CPU has neither, training says so and runs in f32).
-    /// Weights, gradients, optimizer state and checkpoints stay f32 either way.
+    /// Matrix products of the linear layers and of the fused attention kernels' tiles: f32, or
+    /// bf16 (inputs rounded to bf16, sums in f32, on AMX or AVX512_BF16; where the CPU has
+    /// neither, training says so and runs in f32). Weights, gradients, optimizer state and
+    /// checkpoints stay f32 either way.
     #[arg(long, default_value = "f32")]
     precision: Precision,
 }

@@ -9,6 +9,8 @@
 //! (two or four vectors) and broadcasts one value of `A` per output row (12 or 6 rows: 24
 //! accumulators either way), so neither operand is copied. f32 on AVX-512F only; every other
 //! type or CPU goes to `gemm` (single-threaded: the parallelism is over the kernels' tasks).
+//! [`mm_rows_bf16`] is the same walk over bf16 pairs (`vdpbf16ps`, two values of `k` per lane)
+//! for `--precision bf16` ([`TileProducts::Bf16`]): its operands are converted per call.
 
 use crate::bf16_matmul::{bf16_bits, bf16_pair, bf16_to_f32, to_bf16, to_bf16_pairs};
 use crate::float::Float;
@@ -575,33 +577,5 @@ mod tests {
     #[test]
     fn bf16_matches_f64_product_of_rounded_values() {
         check_awkward_shapes(mm_rows_bf16, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
-    }
-
-    #[test]
-    #[ignore]
-    fn probe_speed() {
-        for &(m, n, k, tr) in
-            &[(64usize, 128usize, 32usize, false), (128, 32, 64, true), (64, 32, 128, false), (128, 128, 32, false)]
-        {
-            let (a_rs, a_cs) = if tr { (1, m) } else { (k, 1) };
-            let a = values(m * k, 1);
-            let b = values(k * n, 2);
-            let mut c = vec![0f32; m * n];
-            for bf in [false, true, false, true] {
-                let t0 = std::time::Instant::now();
-                for _ in 0..20000 {
-                    if bf {
-                        mm_rows_bf16(m, n, k, &mut c, n, true, &a, a_rs, a_cs, &b, n, 1.0)
-                    } else {
-                        mm_rows(m, n, k, &mut c, n, true, &a, a_rs, a_cs, &b, n, 1.0f32)
-                    }
-                }
-                let dt = t0.elapsed().as_secs_f64();
-                eprintln!(
-                    "{m}x{n}x{k} tr {tr} bf16 {bf}: {:.1} GFLOP/s",
-                    2.0 * (m * n * k) as f64 * 20000.0 / dt / 1e9
-                );
-            }
-        }
     }
 }

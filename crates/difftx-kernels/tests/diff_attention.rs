@@ -299,11 +299,14 @@ fn empty_inputs_give_empty_outputs() -> Result<()> {
     Ok(())
 }
 
+/// An attention op of q, k, v and λ with its tile products.
+type Op = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, TileProducts) -> Result<Tensor>>;
+
 /// The three ops with their inputs and the weights of a weighted sum, as f64 values, at bench-s's
 /// head layouts and head dim (32), T cut into partial tiles.
 struct BenchHeads {
     name: &'static str,
-    op: Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, TileProducts) -> Result<Tensor>>,
+    op: Op,
     x64: [Tensor; 4],
     /// Whether λ is an input (baseline: no).
     lambda: bool,
@@ -313,7 +316,6 @@ struct BenchHeads {
 fn bench_heads() -> Result<Vec<BenchHeads>> {
     let (b, t, d) = (8, 150, 32);
     let scale = 1.0 / (d as f64).sqrt();
-    type Op = Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, TileProducts) -> Result<Tensor>>;
     let cases: [(&str, usize, usize, usize, Op); 3] = [
         ("baseline", 8, 8, 0, Box::new(move |q, k, v, _, p| difftx_kernels::flash_attention(q, k, v, scale, 0, p))),
         (
