@@ -91,8 +91,7 @@ pub(crate) fn mm_rows<T: Float>(
         }
         return;
     }
-    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm_rows: A out of bounds");
-    assert!(last(ldb, 1, k, n) < b.len(), "mm_rows: B out of bounds");
+    assert_operands_inside("mm_rows", (m, n, k), (a.len(), a_rs, a_cs), (b.len(), ldb));
     #[cfg(target_arch = "x86_64")]
     if TypeId::of::<T>() == TypeId::of::<f32>() && avx512::available() {
         // SAFETY: T is f32 (checked above), so the casts only rename the element type; the
@@ -141,6 +140,18 @@ pub(crate) fn mm_rows<T: Float>(
     }
 }
 
+/// Panics unless `A` (`m × k`, strides `a_rs`, `a_cs`, in `a_len` values) and `B` (`k × n`, row
+/// stride `ldb`, in `b_len` values) lie inside their slices (m, n, k > 0).
+fn assert_operands_inside(
+    op: &str,
+    (m, n, k): (usize, usize, usize),
+    (a_len, a_rs, a_cs): (usize, usize, usize),
+    (b_len, ldb): (usize, usize),
+) {
+    assert!(last(a_rs, a_cs, m, k) < a_len, "{op}: A out of bounds");
+    assert!(last(ldb, 1, k, n) < b_len, "{op}: B out of bounds");
+}
+
 /// The index of the last element of a `r × c` matrix with strides `rs`, `cs` (r, c > 0).
 fn last(rs: usize, cs: usize, r: usize, c: usize) -> usize {
     (r - 1) * rs + (c - 1) * cs
@@ -177,8 +188,7 @@ pub(crate) fn mm_rows_bf16(
         return mm_rows(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta);
     }
     assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows_bf16: C out of bounds");
-    assert!(last(a_rs, a_cs, m, k) < a.len(), "mm_rows_bf16: A out of bounds");
-    assert!(last(ldb, 1, k, n) < b.len(), "mm_rows_bf16: B out of bounds");
+    assert_operands_inside("mm_rows_bf16", (m, n, k), (a.len(), a_rs, a_cs), (b.len(), ldb));
     #[cfg(target_arch = "x86_64")]
     if avx512::bf16_available() {
         let pairs = k.div_ceil(2);
