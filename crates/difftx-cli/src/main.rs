@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
 use difftx_core::generate::{generate, generate_fused, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
-use difftx_core::{Decoder, Family, Kernels, ModelConfig, Precision, WeightFormat, WeightPrecision};
+use difftx_core::{Decoder, Family, Kernels, KvPrecision, ModelConfig, Precision, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
 use difftx_train::eval::evaluate_text;
 use difftx_train::optim::{AdamWParams, Decay};
@@ -242,6 +242,10 @@ struct GenerateArgs {
     /// activations and the prompt stay f32. Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     precision: WeightPrecision,
+    /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per
+    /// cached position; the logits move by bf16 rounding). Needs `--weights f32`.
+    #[arg(long, default_value = "f32")]
+    kv_cache: KvPrecision,
 }
 
 #[derive(Args)]
@@ -261,6 +265,11 @@ struct ServeArgs {
     /// after the other.
     #[arg(long, default_value = "f32")]
     weights: difftx_serve::engine::ServeWeights,
+    /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per
+    /// cached position: faster when many requests run together, logits within bf16 rounding of
+    /// f32's). Needs --weights f32, bf16 or int8.
+    #[arg(long, default_value = "f32")]
+    kv_cache: KvPrecision,
     /// Requests decoded together at most; more wait in the queue.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -538,6 +547,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             a.sample_tokens,
             SamplingParams { temperature: 0.8, seed: 0, ..Default::default() },
             WeightPrecision::F32,
+            KvPrecision::F32,
         )?;
         println!();
     }
@@ -555,10 +565,16 @@ fn stream_generate(
     n: usize,
     params: SamplingParams,
     precision: WeightPrecision,
+    kv_cache: KvPrecision,
 ) -> Result<()> {
-    if precision != WeightPrecision::F32 && !Decoder::supports(model) {
-        let name = format!("{precision:?}").to_lowercase();
-        bail!("--precision {name} runs the fused decoder, which needs f32 weights: drop --weights");
+    let fused = precision != WeightPrecision::F32 || kv_cache != KvPrecision::F32;
+    if fused && !Decoder::supports(model) {
+        let (precision, kv_cache) = (format!("{precision:?}"), format!("{kv_cache:?}"));
+        bail!(
+            "--precision {} --kv-cache {} run the fused decoder, which needs f32 weights: drop --weights",
+            precision.to_lowercase(),
+            kv_cache.to_lowercase()
+        );
     }
     let ids = tok.encode(prompt)?;
     let mut sampler = Sampler::new(params)?;
@@ -570,11 +586,12 @@ fn stream_generate(
         out.flush()?;
         Ok(())
     };
-    match precision {
-        WeightPrecision::F32 => generate(model, &ids, n, &mut sampler, on_token)?,
-        WeightPrecision::Bf16 | WeightPrecision::Int8 => {
-            generate_fused(&Decoder::with_precision(model, precision)?, &ids, n, &mut sampler, on_token)?
-        }
+    if fused {
+        let mut decoder = Decoder::with_precision(model, precision)?;
+        decoder.set_kv_precision(kv_cache);
+        generate_fused(&decoder, &ids, n, &mut sampler, on_token)?
+    } else {
+        generate(model, &ids, n, &mut sampler, on_token)?
     };
     write!(out, "{}", dec.finish()?)?;
     out.flush()?;
@@ -596,7 +613,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let params = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
-    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, a.precision)?;
+    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, a.precision, a.kv_cache)?;
     println!();
     Ok(())
 }
@@ -609,6 +626,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         host: a.host,
         port: a.port,
         weights: a.weights,
+        kv_cache: a.kv_cache,
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,

@@ -1,7 +1,8 @@
-//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8]` (for perf).
+//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16]` (the
+//! weights' precision, then the KV cache's; for perf).
 use candle_core::{DType, Device, Tensor};
 use difftx_core::model::{init_weights, Model};
-use difftx_core::{Decoder, Family, ModelConfig, WeightPrecision};
+use difftx_core::{Decoder, Family, KvPrecision, ModelConfig, WeightPrecision};
 use std::collections::HashMap;
 
 fn main() -> anyhow::Result<()> {
@@ -9,10 +10,13 @@ fn main() -> anyhow::Result<()> {
     let batch: usize = std::env::args().nth(2).map_or(Ok(1), |s| s.parse())?;
     let precision: WeightPrecision =
         std::env::args().nth(3).map_or(Ok(WeightPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
+    let kv: KvPrecision =
+        std::env::args().nth(4).map_or(Ok(KvPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
     let cfg = ModelConfig::preset("bench-s", family)?;
     let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
     let m = Model::from_weights(&cfg, &w)?;
-    let dec = Decoder::with_precision(&m, precision)?;
+    let mut dec = Decoder::with_precision(&m, precision)?;
+    dec.set_kv_precision(kv);
     let mut seqs: Vec<_> = (0..batch).map(|_| dec.new_sequence()).collect();
     let (rounds, steps) = (4, cfg.max_seq_len - 16);
     let mut secs = 0.0;
@@ -34,7 +38,7 @@ fn main() -> anyhow::Result<()> {
     }
     let n = (rounds * steps) as f64;
     println!(
-        "{family} {precision:?} batch {batch}: {:.1} tok/s, {:.3} ms/step",
+        "{family} {precision:?} weights, {kv:?} cache, batch {batch}: {:.1} tok/s, {:.3} ms/step",
         n * batch as f64 / secs,
         secs / n * 1e3
     );

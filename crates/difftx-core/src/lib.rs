@@ -15,7 +15,7 @@ pub mod ops;
 pub mod tokenizer;
 
 pub use config::{Family, HeadPairing, ModelConfig, RopeStyle};
-pub use difftx_kernels::decode::WeightPrecision;
+pub use difftx_kernels::decode::{KvPrecision, WeightPrecision};
 pub use difftx_kernels::profile;
 pub use model::decode::{Decoder, SequenceCache};
 pub use model::{KvCache, Model, Probe, RunOptions, WeightFormat};

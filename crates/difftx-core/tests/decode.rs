@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::generate::{generate_fused, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
-use difftx_core::{Decoder, WeightFormat, WeightPrecision};
+use difftx_core::{Decoder, KvPrecision, WeightFormat, WeightPrecision};
 use difftx_kernels::decode::{int8_code, int8_scale};
 use std::collections::HashMap;
 
@@ -92,18 +92,21 @@ fn decoder_logits_match_the_full_forward_at_every_position() {
 
 #[test]
 fn batched_steps_equal_single_steps_at_different_positions() {
-    // Attention of a pass on one thread, and split over threads.
+    // Attention of a pass on one thread, and split over threads; either cache precision.
     for (name, cfg) in configs() {
         for threshold in [usize::MAX, 0] {
-            batched_equals_single(&format!("{name}, split from {threshold}"), &cfg, threshold);
+            for kv in [KvPrecision::F32, KvPrecision::Bf16] {
+                batched_equals_single(&format!("{name}, split from {threshold}, {kv:?} cache"), &cfg, threshold, kv);
+            }
         }
     }
 }
 
-fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize) {
+fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize, kv: KvPrecision) {
     let m = model(cfg, 9);
     let mut dec = Decoder::new(&m).unwrap();
     dec.set_parallel_attention_macs(parallel_from);
+    dec.set_kv_precision(kv);
     // The second sequence's steps cross from the cache's first chunk into its second.
     let prompts = [tokens(3, cfg.vocab_size, 2), tokens(61, cfg.vocab_size, 3), tokens(1, cfg.vocab_size, 4)];
     let next = [tokens(6, cfg.vocab_size, 5), tokens(6, cfg.vocab_size, 6), tokens(6, cfg.vocab_size, 7)];
@@ -178,6 +181,57 @@ fn greedy_tokens_are_those_of_the_forward_path() {
         assert_eq!(slow.len(), cfg.max_seq_len - prompt.len() + 1, "{name}: stops at the context");
         assert_eq!(fast, slow, "{name}");
     }
+}
+
+/// A bf16 cache moves the logits by bf16 rounding: about as far as bf16 weights do (the rounding
+/// the decoder already offers), far less than a misread cache would, and not zero.
+#[test]
+fn bf16_kv_cache_moves_the_logits_as_far_as_bf16_weights_do() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 6);
+        let ids = tokens(cfg.max_seq_len, cfg.vocab_size, 5);
+        let mut bf16_cache = Decoder::new(&m).unwrap();
+        bf16_cache.set_kv_precision(KvPrecision::Bf16);
+        assert_eq!(bf16_cache.kv_precision(), KvPrecision::Bf16);
+        // Every position's logits: the prompt's last, then one per step (crossing a chunk).
+        let run = |dec: &Decoder| {
+            let mut seq = dec.new_sequence();
+            let mut out = vec![dec.prefill(&mut seq, &ids[..7]).unwrap()];
+            for &t in &ids[7..] {
+                out.push(dec.step(&mut [&mut seq], &[t]).unwrap());
+            }
+            out
+        };
+        let exact = run(&Decoder::new(&m).unwrap());
+        let scale = exact.iter().flatten().fold(1.0f32, |m, v| m.max(v.abs()));
+        // Mean and worst over positions of the largest |difference| from f32, over `scale`.
+        let off = |run: &[Vec<f32>]| {
+            let per: Vec<f32> = run.iter().zip(&exact).map(|(a, b)| max_abs(a, b) / scale).collect();
+            (per.iter().sum::<f32>() / per.len() as f32, per.iter().cloned().fold(0.0, f32::max))
+        };
+        let (mean, worst) = off(&run(&bf16_cache));
+        let (weights_mean, _) = off(&run(&Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap()));
+        // Measured (these deliberately sharp models, logits up to ~10): mean 5.0e-3-7.3e-3, worst
+        // 2.1e-2-4.3e-2, 0.6-0.8 of bf16 weights' mean.
+        assert!(mean > 0.0, "{name}: a bf16 cache changed nothing: is it rounded at all?");
+        assert!(mean < 2e-2 && worst < 1e-1, "{name}: bf16 cache off by {mean} on average, {worst} at worst");
+        assert!(mean < 1.5 * weights_mean, "{name}: bf16 cache {mean} against bf16 weights {weights_mean}");
+    }
+}
+
+#[test]
+fn a_cache_of_another_precision_is_refused_and_prefill_replaces_it() {
+    let cfg = ModelConfig::preset("nano", Family::DiffV2).unwrap();
+    let m = model(&cfg, 2);
+    let mut dec = Decoder::new(&m).unwrap();
+    let mut f32_seq = dec.new_sequence();
+    dec.prefill(&mut f32_seq, &[1, 2]).unwrap();
+    dec.set_kv_precision(KvPrecision::Bf16);
+    let err = dec.step(&mut [&mut f32_seq], &[3]).unwrap_err().to_string();
+    assert!(err.contains("KV precision"), "{err}");
+    // prefill starts the sequence over at the decoder's precision.
+    dec.prefill(&mut f32_seq, &[1, 2]).unwrap();
+    dec.step(&mut [&mut f32_seq], &[3]).unwrap();
 }
 
 #[test]

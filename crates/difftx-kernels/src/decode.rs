@@ -327,26 +327,32 @@ mod body {
     /// Scores of the `KV_CHUNK` positions of one chunk of keys (`[d, KV_CHUNK]`): the sums run
     /// over the d key features with every position's partial sum in registers.
     #[inline(always)]
-    fn score_chunk<const FMA: bool>(q: &[f32], chunk: &[f32]) -> [f32; KV_CHUNK] {
+    fn score_chunk<E: Element, const FMA: bool>(q: &[f32], chunk: &[E]) -> [f32; KV_CHUNK] {
         let mut acc = [0f32; KV_CHUNK];
         for (&qi, k) in q.iter().zip(chunk.chunks_exact(KV_CHUNK)) {
-            let k: &[f32; KV_CHUNK] = k.try_into().unwrap();
+            let k: &[E; KV_CHUNK] = k.try_into().unwrap();
             for j in 0..KV_CHUNK {
-                acc[j] = madd::<FMA>(acc[j], qi, k[j]);
+                acc[j] = madd::<FMA>(acc[j], qi, k[j].to_f32());
             }
         }
         acc
     }
 
     #[inline(always)]
-    pub fn softmax_scores<const FMA: bool>(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+    pub fn softmax_scores<E: Element, const FMA: bool>(
+        q: &[f32],
+        keys: &[E],
+        chunk_stride: usize,
+        scale: f32,
+        p: &mut [f32],
+    ) {
         // A partly filled last chunk is scored whole (its unused positions hold zeros or stale
         // keys, finite either way) and only its filled positions kept: by the latency count no
         // slower than a quarter of it in 16-wide blocks, whose two or four sums per feature wait
         // on the multiply-add latency, and without the one-position-at-a-time tail there was.
         let chunk_len = q.len() * KV_CHUNK;
         for (c, pc) in p.chunks_mut(KV_CHUNK).enumerate() {
-            let acc = score_chunk::<FMA>(q, &keys[c * chunk_stride..c * chunk_stride + chunk_len]);
+            let acc = score_chunk::<E, FMA>(q, &keys[c * chunk_stride..c * chunk_stride + chunk_len]);
             pc.iter_mut().zip(acc).for_each(|(p, a)| *p = a * scale);
         }
         let max = max_slice(p, f32::NEG_INFINITY);
@@ -361,9 +367,9 @@ mod body {
     /// `acc[..v.len()] += w·v` (a function, not a closure: a closure would not inherit the
     /// caller's target features).
     #[inline(always)]
-    fn add_row<const FMA: bool>(acc: &mut [f32; VALUE_COLS], w: f32, v: &[f32]) {
+    fn add_row<E: Element, const FMA: bool>(acc: &mut [f32; VALUE_COLS], w: f32, v: &[E]) {
         for (a, &x) in acc.iter_mut().zip(v) {
-            *a = madd::<FMA>(*a, w, x);
+            *a = madd::<FMA>(*a, w, x.to_f32());
         }
     }
 
@@ -372,9 +378,9 @@ mod body {
     /// positions are summed apart and added at the end: one set of sums would wait on the
     /// multiply-add latency at every row (four registers of sums for 32 features on AVX2).
     #[inline(always)]
-    fn sum_rows<const FULL: bool, const FMA: bool>(
+    fn sum_rows<E: Element, const FULL: bool, const FMA: bool>(
         p: &[f32],
-        values: &[f32],
+        values: &[E],
         chunk_stride: usize,
         dv: usize,
         (off, width): (usize, usize),
@@ -384,12 +390,12 @@ mod body {
         for (c, pc) in p.chunks(KV_CHUNK).enumerate() {
             let rows = &values[c * chunk_stride..c * chunk_stride + pc.len() * dv];
             for (w, two) in pc.chunks_exact(2).zip(rows.chunks_exact(2 * dv)) {
-                add_row::<FMA>(&mut even, w[0], &two[off..off + width]);
-                add_row::<FMA>(&mut odd, w[1], &two[dv + off..dv + off + width]);
+                add_row::<E, FMA>(&mut even, w[0], &two[off..off + width]);
+                add_row::<E, FMA>(&mut odd, w[1], &two[dv + off..dv + off + width]);
             }
             if pc.len() % 2 == 1 {
                 let last = (pc.len() - 1) * dv + off;
-                add_row::<FMA>(&mut even, pc[pc.len() - 1], &rows[last..last + width]);
+                add_row::<E, FMA>(&mut even, pc[pc.len() - 1], &rows[last..last + width]);
             }
         }
         std::array::from_fn(|k| even[k] + odd[k])
@@ -397,13 +403,13 @@ mod body {
 
     /// `out += Σ_s p_s·v_s`, `VALUE_COLS` output features at a time.
     #[inline(always)]
-    pub fn weighted_values<const FMA: bool>(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+    pub fn weighted_values<E: Element, const FMA: bool>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
         let dv = out.len();
         for (oc, off) in out.chunks_mut(VALUE_COLS).zip((0..).step_by(VALUE_COLS)) {
             let acc = if oc.len() == VALUE_COLS {
-                sum_rows::<true, FMA>(p, values, chunk_stride, dv, (off, VALUE_COLS))
+                sum_rows::<E, true, FMA>(p, values, chunk_stride, dv, (off, VALUE_COLS))
             } else {
-                sum_rows::<false, FMA>(p, values, chunk_stride, dv, (off, oc.len()))
+                sum_rows::<E, false, FMA>(p, values, chunk_stride, dv, (off, oc.len()))
             };
             oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
         }
@@ -423,7 +429,7 @@ mod body {
 macro_rules! isa_variants {
     ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
-            use super::{body, Bf16};
+            use super::{body, Bf16, Element};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
                 body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
@@ -437,12 +443,12 @@ macro_rules! isa_variants {
                 body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
-                body::softmax_scores::<$fma>(q, keys, chunk_stride, scale, p)
+            pub unsafe fn softmax_scores<E: Element>(q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+                body::softmax_scores::<E, $fma>(q, keys, chunk_stride, scale, p)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn weighted_values(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
-                body::weighted_values::<$fma>(p, values, chunk_stride, out)
+            pub unsafe fn weighted_values<E: Element>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
+                body::weighted_values::<E, $fma>(p, values, chunk_stride, out)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -535,7 +541,7 @@ impl Element for f32 {
 }
 
 /// A bfloat16: the top 16 bits of an f32 (8 exponent bits, 7 mantissa bits).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Bf16(pub u16);
 
 impl Bf16 {
@@ -575,6 +581,47 @@ impl Element for Bf16 {
         unsafe {
             let codes = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(codes)))
+        }
+    }
+}
+
+/// An element of a cache of keys and values ([`softmax_scores`], [`weighted_values`]): f32, or
+/// bf16 rounded to nearest even when written and widened to f32 when read.
+pub trait KvElement: Element + Default {
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl KvElement for Bf16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        Bf16::from_f32(x)
+    }
+}
+
+/// How a decoder's cache stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvPrecision {
+    #[default]
+    F32,
+    /// bf16: half the bytes read per cached position, the products and sums still f32. Several
+    /// sequences decoded together read their caches from memory (docs/design.md §7.22).
+    Bf16,
+}
+
+impl std::str::FromStr for KvPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvPrecision::F32),
+            "bf16" => Ok(KvPrecision::Bf16),
+            _ => Err(format!("unknown KV cache precision '{s}' (expected f32 or bf16)")),
         }
     }
 }
@@ -826,14 +873,14 @@ pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
 }
 
 /// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`, the
-/// keys in chunks as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()`
+/// keys (f32 or bf16, [`KvElement`]) in chunks as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()`
 /// are read, holding anything finite, and ignored).
-pub fn softmax_scores(q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+pub fn softmax_scores<E: Element>(q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
     softmax_scores_at(crate::cpu::BEST_ISA, q, keys, chunk_stride, scale, p)
 }
 
 /// `softmax_scores` with the instruction-set level capped at `isa`.
-pub fn softmax_scores_at(isa: u8, q: &[f32], keys: &[f32], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+pub fn softmax_scores_at<E: Element>(isa: u8, q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
     if !p.is_empty() {
         let chunks = p.len().div_ceil(KV_CHUNK);
         assert!(chunks == 1 || chunk_stride >= q.len() * KV_CHUNK, "softmax_scores: chunks overlap");
@@ -842,14 +889,14 @@ pub fn softmax_scores_at(isa: u8, q: &[f32], keys: &[f32], chunk_stride: usize, 
     }
 }
 
-/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features in chunks as [`KV_CHUNK`]
-/// says. The weights may be signed (diff-v1's and diff-v2's `p1 − λ·p2`).
-pub fn weighted_values(p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features (f32 or bf16) in chunks as
+/// [`KV_CHUNK`] says. The weights may be signed (diff-v1's and diff-v2's `p1 − λ·p2`).
+pub fn weighted_values<E: Element>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
     weighted_values_at(crate::cpu::BEST_ISA, p, values, chunk_stride, out)
 }
 
 /// `weighted_values` with the instruction-set level capped at `isa`.
-pub fn weighted_values_at(isa: u8, p: &[f32], values: &[f32], chunk_stride: usize, out: &mut [f32]) {
+pub fn weighted_values_at<E: Element>(isa: u8, p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
     if let Some(last) = p.len().checked_sub(1) {
         let dv = out.len();
         assert!(last < KV_CHUNK || chunk_stride >= KV_CHUNK * dv, "weighted_values: chunks overlap");
@@ -957,19 +1004,31 @@ mod tests {
 
     #[test]
     fn attention_row_matches_f64() {
+        attention_row_matches_f64_with::<f32>();
+    }
+
+    #[test]
+    fn attention_row_over_a_bf16_cache_matches_f64_of_the_rounded_keys_and_values() {
+        attention_row_matches_f64_with::<Bf16>();
+    }
+
+    /// The kernels over a cache of `E` against f64 sums of the values the cache holds (f32 keys
+    /// and values rounded to `E` when written).
+    fn attention_row_matches_f64_with<E: KvElement>() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
         // (positions, dk, dv, chunk stride beyond one head's chunk): one position, a partly filled
         // first chunk, whole chunks, whole chunks and a partial one, a head not multiple of 32.
         for &(len, dk, dv, gap) in &[(1, 4, 4, 0), (7, 33, 5, 3), (130, 32, 64, 96), (64, 8, 32, 0), (200, 16, 48, 5)] {
             let q = random(dk, &mut rng);
-            // Keys and values position-major, [s, ..].
-            let (key, value) = (random(len * dk, &mut rng), random(len * dv, &mut rng));
+            // Keys and values position-major, [s, ..], as the cache holds them.
+            let held = |v: Vec<f32>| -> Vec<E> { v.into_iter().map(E::from_f32).collect() };
+            let (key, value) = (held(random(len * dk, &mut rng)), held(random(len * dv, &mut rng)));
             // Chunked as the kernels read them; unused places (the last chunk's tail, gaps
             // between chunks) hold values that would show if read.
             let (key_stride, value_stride) = (dk * KV_CHUNK + gap, dv * KV_CHUNK + gap);
             let chunks = len.div_ceil(KV_CHUNK);
-            let mut keys = vec![1e3f32; chunks * key_stride];
-            let mut values = vec![f32::NAN; (chunks - 1) * value_stride + KV_CHUNK * dv];
+            let mut keys = vec![E::from_f32(1e3); chunks * key_stride];
+            let mut values = vec![E::from_f32(f32::NAN); (chunks - 1) * value_stride + KV_CHUNK * dv];
             for s in 0..len {
                 for i in 0..dk {
                     keys[key_offset(s, i, key_stride)] = key[s * dk + i];
@@ -977,15 +1036,16 @@ mod tests {
                 let at = value_offset(s, dv, value_stride);
                 values[at..at + dv].copy_from_slice(&value[s * dv..(s + 1) * dv]);
             }
+            let f = |e: E| e.to_f32() as f64;
             let scale = 1.0 / (dk as f64).sqrt();
             let logits: Vec<f64> =
-                (0..len).map(|s| (0..dk).map(|k| q[k] as f64 * key[s * dk + k] as f64).sum::<f64>() * scale).collect();
+                (0..len).map(|s| (0..dk).map(|k| q[k] as f64 * f(key[s * dk + k])).sum::<f64>() * scale).collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
             let z: f64 = e.iter().sum();
             let want_p: Vec<f64> = e.iter().map(|v| v / z).collect();
             let want_o: Vec<f64> =
-                (0..dv).map(|c| (0..len).map(|s| want_p[s] * value[s * dv + c] as f64).sum::<f64>() + 0.5).collect();
+                (0..dv).map(|c| (0..len).map(|s| want_p[s] * f(value[s * dv + c])).sum::<f64>() + 0.5).collect();
             for isa in 0..=crate::cpu::BEST_ISA {
                 let mut p = vec![0f32; len];
                 softmax_scores_at(isa, &q, &keys, key_stride, scale as f32, &mut p);

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device};
 use clap::Parser;
-use difftx_core::{checkpoint, model::init_weights, Family, ModelConfig};
+use difftx_core::{checkpoint, model::init_weights, Family, KvPrecision, ModelConfig};
 use difftx_serve::engine::ServeWeights;
 use difftx_serve::{ServeOptions, Server};
 use futures_util::StreamExt;
@@ -47,6 +47,9 @@ struct Args {
     /// f32, bf16, int8, q8_0 or q4k.
     #[arg(long, default_value = "f32")]
     weights: ServeWeights,
+    /// KV cache of the fused decoder: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    kv_cache: KvPrecision,
     /// Seconds after which no new request is sent (the running ones finish).
     #[arg(long, default_value_t = 300.0)]
     time_limit: f64,
@@ -118,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         max_batch: args.max_batch,
         max_queue,
         weights: args.weights,
+        kv_cache: args.kv_cache,
         ..ServeOptions::default()
     };
     let server = Server::start(&dir, opts).await?;
@@ -183,6 +187,7 @@ async fn main() -> anyhow::Result<()> {
     let report = json!({
         "model": if args.model.is_some() { dir.display().to_string() } else { "random bench-s diff-v1".into() },
         "weights": format!("{:?}", args.weights),
+        "kv_cache": format!("{:?}", args.kv_cache),
         "max_batch": args.max_batch,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,

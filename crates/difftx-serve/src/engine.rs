@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use difftx_core::generate::{Sampler, SamplingParams};
 use difftx_core::model::last_logits;
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
-use difftx_core::{Decoder, KvCache, Model, SequenceCache, WeightPrecision};
+use difftx_core::{Decoder, KvCache, KvPrecision, Model, SequenceCache, WeightPrecision};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -111,6 +111,8 @@ pub struct Engine {
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
     pub weights: ServeWeights,
+    /// How the fused decoder caches keys and values (`ServeWeights::Fused` only).
+    pub kv_cache: KvPrecision,
     /// Requests decoded together at most.
     pub max_batch: usize,
     /// Requests waiting for a slot at most (beyond it `submit` answers `QueueFull`).
@@ -128,6 +130,13 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> Result<Self> {
         anyhow::ensure!(opts.max_batch >= 1, "--max-batch must be at least 1");
+        if let (ServeWeights::Quantized(format), KvPrecision::Bf16) = (opts.weights, opts.kv_cache) {
+            anyhow::bail!(
+                "--kv-cache bf16 is the fused decoder's cache, which {} weights do not run through: \
+                 use --weights f32, bf16 or int8, or --kv-cache f32",
+                format!("{format:?}").to_lowercase()
+            );
+        }
         // (The fused decoder checks that it can run the model itself, on the engine thread.)
         if let ServeWeights::Quantized(format) = opts.weights {
             model.quantize_weights(format)?;
@@ -289,7 +298,10 @@ impl Worker {
     fn run(self, model: &Model, ready: std::sync::mpsc::Sender<Result<(), String>>) {
         let backend = match self.opts.weights {
             ServeWeights::Fused(precision) => match Decoder::with_precision(model, precision) {
-                Ok(d) => Backend::Fused(Box::new(d)),
+                Ok(mut d) => {
+                    d.set_kv_precision(self.opts.kv_cache);
+                    Backend::Fused(Box::new(d))
+                }
                 Err(e) => {
                     let _ = ready.send(Err(format!("{e:#}")));
                     return;

@@ -43,6 +43,9 @@ pub struct ServeOptions {
     /// 0: any free port (the bound address is in `Server::addr`).
     pub port: u16,
     pub weights: ServeWeights,
+    /// How the fused decoder caches keys and values (bf16: half the bytes per position; needs
+    /// f32, bf16 or int8 weights).
+    pub kv_cache: difftx_core::KvPrecision,
     /// Requests decoded together at most.
     pub max_batch: usize,
     /// Requests waiting for a slot at most; beyond it requests get 503 with `Retry-After`.
@@ -62,6 +65,7 @@ impl Default for ServeOptions {
             host: "127.0.0.1".into(),
             port: 8080,
             weights: ServeWeights::Fused(difftx_core::WeightPrecision::F32),
+            kv_cache: difftx_core::KvPrecision::F32,
             max_batch: 16,
             max_queue: 256,
             max_tokens: None,
@@ -104,6 +108,7 @@ impl AppState {
         let metrics = Arc::new(Metrics::new()?);
         let engine_opts = EngineOptions {
             weights: opts.weights,
+            kv_cache: opts.kv_cache,
             max_batch: opts.max_batch,
             max_queue: opts.max_queue,
             eos_token: eos_token(&dir),
@@ -281,9 +286,10 @@ pub fn run(model_dir: &Path, opts: ServeOptions) -> Result<()> {
         };
         let st = server.state();
         eprintln!(
-            "serving '{}' ({} weights, context {} tokens, up to {} requests per step) on http://{}",
+            "serving '{}' ({} weights, {} KV cache, context {} tokens, up to {} requests per step) on http://{}",
             st.model_id,
             weights,
+            format!("{:?}", opts.kv_cache).to_lowercase(),
             st.engine.context(),
             opts.max_batch,
             server.addr()

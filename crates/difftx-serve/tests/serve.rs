@@ -4,7 +4,7 @@
 //! deterministic, which is what these tests check).
 
 use candle_core::{DType, Device};
-use difftx_core::{checkpoint, model::init_weights, Family, ModelConfig};
+use difftx_core::{checkpoint, model::init_weights, Family, KvPrecision, ModelConfig};
 use difftx_serve::engine::ServeWeights;
 use difftx_serve::{ServeOptions, Server};
 use futures_util::StreamExt;
@@ -188,10 +188,10 @@ async fn completions_chat_and_streams_agree() {
 }
 
 /// Requests that run together give each the text it gets alone (its own seed and sampling).
-async fn batched_equals_alone(weights: ServeWeights) {
+async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision) {
     let root = tempfile::tempdir().unwrap();
     let dir = model_dir(root.path(), Family::DiffV2, 256);
-    let server = Server::start(&dir, ServeOptions { weights, max_batch: 8, ..opts() }).await.unwrap();
+    let server = Server::start(&dir, ServeOptions { weights, kv_cache, max_batch: 8, ..opts() }).await.unwrap();
     let c = Client::new(&server);
     let reqs: Vec<Value> = (0..8)
         .map(|i| {
@@ -218,12 +218,27 @@ async fn batched_equals_alone(weights: ServeWeights) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_request_gives_the_same_text_alone_or_in_a_batch() {
-    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32)).await;
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bf16_kv_cache_serves_and_batches_the_same() {
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::Bf16), KvPrecision::Bf16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bf16_kv_cache_with_ggml_weights_is_refused_at_start() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = model_dir(root.path(), Family::DiffV1, 64);
+    let weights = ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0);
+    let start = Server::start(&dir, ServeOptions { weights, kv_cache: KvPrecision::Bf16, ..opts() }).await;
+    let err = format!("{:#}", start.err().expect("q8_0 weights with a bf16 KV cache started"));
+    assert!(err.contains("--kv-cache"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantised_weights_serve_and_batch_the_same() {
-    batched_equals_alone(ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0)).await;
+    batched_equals_alone(ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0), KvPrecision::F32).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

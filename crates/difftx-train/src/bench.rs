@@ -11,7 +11,8 @@
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
 //!   greedy — the fused decoder (what `generate` runs), the tensor path beside it, and the fused
-//!   decoder stepping `decode_batches` sequences at once. The families' fused decoders are timed
+//!   decoder stepping `decode_batches` sequences at once, with f32 and with bf16 weights and KV
+//!   cache. The families' fused decoders are timed
 //!   side by side too, a block of steps of each in turn, and each of their figures is the median
 //!   of [`DECODE_RUNS`] runs.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
@@ -44,7 +45,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use difftx_core::generate::{generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::profile::{attention_time, Pass};
-use difftx_core::{Decoder, SequenceCache, WeightPrecision};
+use difftx_core::{Decoder, KvPrecision, SequenceCache, WeightPrecision};
 use difftx_core::{Family, Kernels, ModelConfig, Precision};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Map, Value};
@@ -474,11 +475,20 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             into.insert(name.into(), json!(per_sec(runs.tokens.len(), runs.median_secs)));
         }
     }
+    // Several sequences at once: f32, and bf16 weights with a bf16 KV cache (the bytes a step
+    // reads halved: what bounds many sequences once their caches outgrow the last-level cache).
     let mut batched: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
-    let decoders = models.iter().map(Decoder::new).collect::<Result<Vec<_>, _>>()?;
-    for &b in &opts.decode_batches {
-        for (into, runs) in batched.iter_mut().zip(decode_median(&decoders, &prompts, b, n, false)?) {
-            into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), runs.median_secs)));
+    let mut batched_bf16: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
+    for (into, weights, kv) in [
+        (&mut batched, WeightPrecision::F32, KvPrecision::F32),
+        (&mut batched_bf16, WeightPrecision::Bf16, KvPrecision::Bf16),
+    ] {
+        let mut decoders = models.iter().map(|m| Decoder::with_precision(m, weights)).collect::<Result<Vec<_>, _>>()?;
+        decoders.iter_mut().for_each(|d| d.set_kv_precision(kv));
+        for &b in &opts.decode_batches {
+            for (into, runs) in into.iter_mut().zip(decode_median(&decoders, &prompts, b, n, false)?) {
+                into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), runs.median_secs)));
+            }
         }
     }
     let mut report = Map::new();
@@ -502,9 +512,10 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
             "tokens_per_sec_by_weight_precision": reduced[i],
             "batched_tokens_per_sec": batched[i],
+            "batched_tokens_per_sec_bf16_weights_and_kv_cache": batched_bf16[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
-            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded)"),
+            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache"),
         });
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);

@@ -32,7 +32,7 @@ use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use difftx_kernels::decode::{
     key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset, weighted_values,
-    PackedWeight, WeightPrecision, KV_CHUNK,
+    Bf16, KvElement, KvPrecision, PackedWeight, WeightPrecision, KV_CHUNK,
 };
 use difftx_kernels::team;
 
@@ -66,16 +66,65 @@ struct LayerWeights {
 }
 
 /// The keys and values of one sequence, in chunks of `KV_CHUNK` positions (the layout
-/// `difftx_kernels::decode::KV_CHUNK` describes). Layer l's keys are `[chunks, n_kv, d, KV_CHUNK]`
-/// in `k[l]` (feature-major within a chunk: the scores of its positions are summed side by side),
-/// its values `[chunks, n_kv, KV_CHUNK, d]` in `v[l]` (a weighted sum of rows), so each head's
-/// chunk is one contiguous run. The cache grows by appending chunks, its capacity doubling (up to
-/// the context), so nothing is copied or concatenated per token.
+/// `difftx_kernels::decode::KV_CHUNK` describes), stored at the decoder's `KvPrecision`. Layer
+/// l's keys are `[chunks, n_kv, d, KV_CHUNK]` (feature-major within a chunk: the scores of its
+/// positions are summed side by side), its values `[chunks, n_kv, KV_CHUNK, d]` (a weighted sum
+/// of rows), so each head's chunk is one contiguous run. The cache grows by appending chunks, its
+/// capacity doubling (up to the context), so nothing is copied or concatenated per token.
 #[derive(Debug, Clone, Default)]
 pub struct SequenceCache {
     len: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    store: KvStore,
+}
+
+/// Every layer's keys (`k[l]`) and values (`v[l]`) of one sequence, as `E`.
+#[derive(Debug, Clone, Default)]
+struct Layers<E> {
+    k: Vec<Vec<E>>,
+    v: Vec<Vec<E>>,
+}
+
+#[derive(Debug, Clone)]
+enum KvStore {
+    F32(Layers<f32>),
+    Bf16(Layers<Bf16>),
+}
+
+impl Default for KvStore {
+    fn default() -> Self {
+        KvStore::F32(Layers::default())
+    }
+}
+
+impl KvStore {
+    fn layers(&self) -> usize {
+        match self {
+            KvStore::F32(l) => l.k.len(),
+            KvStore::Bf16(l) => l.k.len(),
+        }
+    }
+
+    fn precision(&self) -> KvPrecision {
+        match self {
+            KvStore::F32(_) => KvPrecision::F32,
+            KvStore::Bf16(_) => KvPrecision::Bf16,
+        }
+    }
+
+    /// Layer l's keys and values.
+    fn layer(&self, l: usize) -> LayerKv<'_> {
+        match self {
+            KvStore::F32(s) => LayerKv::F32(&s.k[l], &s.v[l]),
+            KvStore::Bf16(s) => LayerKv::Bf16(&s.k[l], &s.v[l]),
+        }
+    }
+}
+
+/// One layer's keys and values of one sequence, at the cache's precision.
+#[derive(Clone, Copy)]
+enum LayerKv<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [Bf16], &'a [Bf16]),
 }
 
 impl SequenceCache {
@@ -96,9 +145,9 @@ impl SequenceCache {
 }
 
 /// One layer's cache of one sequence, as `attend` reads it.
-struct LayerCache<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
+struct LayerCache<'a, E> {
+    keys: &'a [E],
+    values: &'a [E],
     len: usize,
 }
 
@@ -139,6 +188,8 @@ pub struct Decoder {
     o_in: usize,
     norm_eps: f64,
     max_seq_len: usize,
+    /// How `new_sequence`'s caches store keys and values.
+    kv_precision: KvPrecision,
     /// Attention multiply-adds of a pass from which its rows are attended on several threads.
     parallel_attention_macs: usize,
 }
@@ -257,8 +308,24 @@ impl Decoder {
             o_in: cfg.attention_shapes().o_in,
             norm_eps: cfg.norm_eps,
             max_seq_len: cfg.max_seq_len,
+            kv_precision: KvPrecision::F32,
             parallel_attention_macs: PARALLEL_ATTENTION_MACS,
         })
+    }
+
+    /// Stores the keys and values of the sequences made from now on (`new_sequence`) at
+    /// `precision`. bf16 halves the bytes attention reads per cached position, which is what
+    /// bounds several sequences stepped together once their caches outgrow the last-level cache
+    /// (docs/design.md §7.22); keys and values are rounded to nearest even when written, and
+    /// scores, weights and sums stay f32. Caches made before keep their precision, and a step
+    /// refuses them.
+    pub fn set_kv_precision(&mut self, precision: KvPrecision) {
+        self.kv_precision = precision;
+    }
+
+    /// How this decoder's new caches store keys and values.
+    pub fn kv_precision(&self) -> KvPrecision {
+        self.kv_precision
     }
 
     /// Sets how much attention work (multiply-adds of one pass) is split over threads: 0 always
@@ -274,8 +341,20 @@ impl Decoder {
 
     /// An empty cache for one sequence of this model.
     pub fn new_sequence(&self) -> SequenceCache {
+        fn empty<E: Clone>(n: usize) -> Layers<E> {
+            Layers { k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+        }
         let n = self.layers.len();
-        SequenceCache { len: 0, k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
+        let store = match self.kv_precision {
+            KvPrecision::F32 => KvStore::F32(empty(n)),
+            KvPrecision::Bf16 => KvStore::Bf16(empty(n)),
+        };
+        SequenceCache { len: 0, store }
+    }
+
+    /// Whether `seq` was made by this decoder (`new_sequence`) at its current KV precision.
+    fn owns(&self, seq: &SequenceCache) -> bool {
+        seq.store.layers() == self.layers.len() && seq.store.precision() == self.kv_precision
     }
 
     /// Floats of one layer's chunk of `KV_CHUNK` positions: every kv head's keys (or values).
@@ -291,15 +370,34 @@ impl Decoder {
     /// Makes room in `seq` for at least `needed` positions, in whole chunks (the allocation
     /// doubling, capped at the context, so appending is amortised O(1)).
     fn reserve(&self, seq: &mut SequenceCache, needed: usize) {
-        let stride = self.chunk_stride();
-        let floats = needed.div_ceil(KV_CHUNK) * stride;
-        let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
-        for layer in seq.k.iter_mut().chain(seq.v.iter_mut()) {
-            if floats > layer.len() {
-                let capacity = floats.max(2 * layer.capacity()).min(most).max(floats);
-                layer.reserve_exact(capacity - layer.len());
-                layer.resize(floats, 0.0);
+        fn grow<E: KvElement>(layers: &mut Layers<E>, values: usize, most: usize) {
+            for layer in layers.k.iter_mut().chain(layers.v.iter_mut()) {
+                if values > layer.len() {
+                    let capacity = values.max(2 * layer.capacity()).min(most).max(values);
+                    layer.reserve_exact(capacity - layer.len());
+                    layer.resize(values, E::default());
+                }
             }
+        }
+        let stride = self.chunk_stride();
+        let values = needed.div_ceil(KV_CHUNK) * stride;
+        let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
+        match &mut seq.store {
+            KvStore::F32(layers) => grow(layers, values, most),
+            KvStore::Bf16(layers) => grow(layers, values, most),
+        }
+    }
+
+    /// Writes one position's keys (rotated) and values of layer `l` into `layers`.
+    fn write_kv<E: KvElement>(&self, layers: &mut Layers<E>, l: usize, pos: usize, keys: &[f32], values: &[f32]) {
+        let (d, stride) = (self.head_dim, self.chunk_stride());
+        for (h, (k, v)) in keys.chunks_exact(d).zip(values.chunks_exact(d)).enumerate() {
+            let head_keys = &mut layers.k[l][self.head_offset(h)..];
+            for (feature, &kv) in k.iter().enumerate() {
+                head_keys[key_offset(pos, feature, stride)] = E::from_f32(kv);
+            }
+            let at = self.head_offset(h) + value_offset(pos, d, stride);
+            layers.v[l][at..at + d].iter_mut().zip(v).for_each(|(c, &x)| *c = E::from_f32(x));
         }
     }
 
@@ -314,7 +412,7 @@ impl Decoder {
             prompt.len(),
             self.max_seq_len
         );
-        if seq.k.len() != self.layers.len() {
+        if !self.owns(seq) {
             *seq = self.new_sequence();
         }
         seq.clear();
@@ -360,7 +458,11 @@ impl Decoder {
         for &(s, t) in rows {
             ensure!(s < seqs.len(), "row for sequence {s} of {}", seqs.len());
             ensure!((t as usize) < self.vocab, "token {t} is outside the vocabulary of {} tokens", self.vocab);
-            ensure!(seqs[s].k.len() == self.layers.len(), "this cache was not made by this decoder (new_sequence)");
+            ensure!(
+                self.owns(seqs[s]),
+                "this cache was not made by this decoder (new_sequence) at its KV precision ({:?})",
+                self.kv_precision
+            );
             let p = seqs[s].len + gained[s];
             ensure!(
                 p < self.max_seq_len,
@@ -371,7 +473,6 @@ impl Decoder {
             gained[s] += 1;
         }
         let (dm, d, dff) = (self.d_model, self.head_dim, self.d_ff);
-        let stride = self.chunk_stride();
         let (q_out, kv_out) = (self.n_q * d, self.n_kv * d);
         let qkv_width = self.layers.first().map_or(0, |l| l.qkv.out_dim());
         let longest = pos.iter().map(|p| p + 1).max().unwrap_or(0);
@@ -416,26 +517,28 @@ impl Decoder {
                 let v = &rest[..kv_out];
                 self.rope(q, pos[i], &mut q_rot[i * q_out..(i + 1) * q_out]);
                 self.rope(k, pos[i], &mut k_rot);
-                let seq = &mut *seqs[s];
-                for (h, (k, v)) in k_rot.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
-                    let keys = &mut seq.k[l][self.head_offset(h)..];
-                    for (feature, &kv) in k.iter().enumerate() {
-                        keys[key_offset(pos[i], feature, stride)] = kv;
-                    }
-                    let at = self.head_offset(h) + value_offset(pos[i], d, stride);
-                    seq.v[l][at..at + d].copy_from_slice(v);
+                match &mut seqs[s].store {
+                    KvStore::F32(layers) => self.write_kv(layers, l, pos[i], &k_rot, v),
+                    KvStore::Bf16(layers) => self.write_kv(layers, l, pos[i], &k_rot, v),
                 }
             }
-            let caches: Vec<(&[f32], &[f32])> = seqs.iter().map(|s| (s.k[l].as_slice(), s.v[l].as_slice())).collect();
+            let caches: Vec<LayerKv> = seqs.iter().map(|s| s.store.layer(l)).collect();
             // Group `g` of row `i`: its output units from `g * units / groups` on.
             let attend_group = |scratch: &mut Scratch, task: usize, out: &mut [f32]| {
                 let (i, g) = (task / groups, task % groups);
-                let (keys, values) = caches[rows[i].0];
                 let lambda_logits = &qkv[i * qkv_width + q_out + 2 * kv_out..(i + 1) * qkv_width];
-                let cache = LayerCache { keys, values, len: pos[i] + 1 };
-                let first = g * units / groups;
+                let (q, len, first) = (&q_rot[i * q_out..(i + 1) * q_out], pos[i] + 1, g * units / groups);
                 out.fill(0.0);
-                self.attend(&lw.mix, &q_rot[i * q_out..(i + 1) * q_out], lambda_logits, &cache, first, scratch, out);
+                match caches[rows[i].0] {
+                    LayerKv::F32(keys, values) => {
+                        let cache = LayerCache { keys, values, len };
+                        self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
+                    }
+                    LayerKv::Bf16(keys, values) => {
+                        let cache = LayerCache { keys, values, len };
+                        self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
+                    }
+                }
             };
             if parallel {
                 let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
@@ -488,12 +591,12 @@ impl Decoder {
     /// Output units `first ..` of one row's attention (`out`: whole units, zeroed) from its
     /// rotated queries `q` ([n_q, d]) over the first `cache.len` cached positions.
     #[allow(clippy::too_many_arguments)]
-    fn attend(
+    fn attend<E: KvElement>(
         &self,
         mix: &Mix,
         q: &[f32],
         lambda_logits: &[f32],
-        cache: &LayerCache,
+        cache: &LayerCache<E>,
         first: usize,
         scratch: &mut Scratch,
         out: &mut [f32],
