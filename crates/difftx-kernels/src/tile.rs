@@ -160,6 +160,8 @@ fn last(rs: usize, cs: usize, r: usize, c: usize) -> usize {
 thread_local! {
     /// [`mm_rows_bf16`]'s converted operands (`A`, `B`), kept between calls.
     static PAIRS: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// [`mm_rows_bf16_rounded`]'s rounded copies of `A` and `B`, kept between calls.
+    static ROUNDED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// [`mm_rows`] with bf16 products, f32 only: every value of `A` and `B` is rounded to bf16 (to
@@ -251,10 +253,35 @@ pub(crate) fn mm_rows_bf16(
         });
         return;
     }
+    mm_rows_bf16_rounded(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta)
+}
+
+/// [`mm_rows_bf16`] without AVX512_BF16: copies of `A` and `B` rounded to bf16 (into buffers
+/// reused between calls) through the f32 kernel.
+#[allow(clippy::too_many_arguments)]
+fn mm_rows_bf16_rounded(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    ldc: usize,
+    acc: bool,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    beta: f32,
+) {
     let round = |x: f32| bf16_to_f32(bf16_bits(x));
-    let ar: Vec<f32> = (0..m * k).map(|x| round(a[(x / k) * a_rs + (x % k) * a_cs])).collect();
-    let br: Vec<f32> = (0..k * n).map(|x| round(b[(x / n) * ldb + x % n])).collect();
-    mm_rows(m, n, k, c, ldc, acc, &ar, k, 1, &br, n, beta)
+    ROUNDED.with(|buf| {
+        let (ar, br) = &mut *buf.borrow_mut();
+        ar.clear();
+        ar.extend((0..m * k).map(|x| round(a[(x / k) * a_rs + (x % k) * a_cs])));
+        br.clear();
+        br.extend((0..k * n).map(|x| round(b[(x / n) * ldb + x % n])));
+        mm_rows(m, n, k, c, ldc, acc, ar, k, 1, br, n, beta)
+    })
 }
 
 /// `dst[c * ld + r] = src[r * cols + c]`: `src` `[rows, cols]` row-major into `dst` `[cols, ld]`
@@ -587,5 +614,7 @@ mod tests {
     #[test]
     fn bf16_matches_f64_product_of_rounded_values() {
         check_awkward_shapes(mm_rows_bf16, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
+        // The path of CPUs without AVX512_BF16, whatever this one has.
+        check_awkward_shapes(mm_rows_bf16_rounded, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
     }
 }
