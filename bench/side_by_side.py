@@ -145,6 +145,9 @@ def main():
             row["pytorch"][key] = get(theirs, "ratios", key)
         for fam in ["baseline", "diff-v1"]:
             row["difftx"][f"decode_{fam}_batched_tokens_per_sec"] = get(ours, "decode", fam, "batched_tokens_per_sec")
+            row["difftx"][f"decode_{fam}_batched_bf16_weights_and_kv_cache_tokens_per_sec"] = get(
+                ours, "decode", fam, "batched_tokens_per_sec_bf16_weights_and_kv_cache"
+            )
             row["difftx"][f"decode_{fam}_forward_path_tokens_per_sec"] = get(ours, "decode", fam, "tokens_per_sec_forward_path")
         if not a.no_attn:
             row["difftx"]["attn_long"] = ours.get("attn_long")
