@@ -873,8 +873,8 @@ pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
 }
 
 /// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`, the
-/// keys (f32 or bf16, [`KvElement`]) in chunks as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()`
-/// are read, holding anything finite, and ignored).
+/// keys (f32 or bf16, [`KvElement`]) in chunks as [`KV_CHUNK`] says. The last chunk must be
+/// whole (positions past `p.len()` are read, holding anything finite, and ignored).
 pub fn softmax_scores<E: Element>(q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
     softmax_scores_at(crate::cpu::BEST_ISA, q, keys, chunk_stride, scale, p)
 }
