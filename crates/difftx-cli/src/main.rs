@@ -238,8 +238,9 @@ struct GenerateArgs {
     #[arg(long, default_value = "f32")]
     weights: WeightFormat,
     /// Decoding precision of the linear layers' weights in the fused decoder: f32, bf16 (half the
-    /// bytes per token) or int8 (symmetric per output channel, a quarter); arithmetic,
-    /// activations and the prompt stay f32. Needs `--weights f32`.
+    /// bytes per token, and bf16 products: each product's inputs rounded to bf16 too, sums in
+    /// f32, by AVX512_BF16 where the CPU has it) or int8 (symmetric per output channel, a
+    /// quarter; f32 arithmetic). Activations between the products stay f32. Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     precision: WeightPrecision,
     /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per
@@ -260,9 +261,9 @@ struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Weights of the linear layers: f32, bf16 or int8 (per output channel) run all requests of
-    /// a step in one batched pass of the fused decoder; q8_0 and q4k (ggml blocks) run them one
-    /// after the other.
+    /// Weights of the linear layers: f32, bf16 (bf16 products with f32 sums, as `generate
+    /// --precision bf16`) or int8 (per output channel) run all requests of a step in one batched
+    /// pass of the fused decoder; q8_0 and q4k (ggml blocks) run them one after the other.
     #[arg(long, default_value = "f32")]
     weights: difftx_serve::engine::ServeWeights,
     /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per

@@ -5,7 +5,9 @@
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::generate::{generate_fused, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::model::RunOptions;
 use difftx_core::model::{init_weights, Model};
+use difftx_core::ops::{Kernels, Precision};
 use difftx_core::{Decoder, KvPrecision, WeightFormat, WeightPrecision};
 use difftx_kernels::decode::{int8_code, int8_scale};
 use std::collections::HashMap;
@@ -92,19 +94,31 @@ fn decoder_logits_match_the_full_forward_at_every_position() {
 
 #[test]
 fn batched_steps_equal_single_steps_at_different_positions() {
-    // Attention of a pass on one thread, and split over threads; either cache precision.
+    // Attention of a pass on one thread, and split over threads; either cache precision; f32
+    // weights, and bf16 (whose products take the rows in groups of up to four).
     for (name, cfg) in configs() {
         for threshold in [usize::MAX, 0] {
-            for kv in [KvPrecision::F32, KvPrecision::Bf16] {
-                batched_equals_single(&format!("{name}, split from {threshold}, {kv:?} cache"), &cfg, threshold, kv);
+            for (kv, weights) in [
+                (KvPrecision::F32, WeightPrecision::F32),
+                (KvPrecision::Bf16, WeightPrecision::F32),
+                (KvPrecision::Bf16, WeightPrecision::Bf16),
+            ] {
+                let case = format!("{name}, split from {threshold}, {kv:?} cache, {weights:?} weights");
+                batched_equals_single(&case, &cfg, threshold, kv, weights);
             }
         }
     }
 }
 
-fn batched_equals_single(name: &str, cfg: &ModelConfig, parallel_from: usize, kv: KvPrecision) {
+fn batched_equals_single(
+    name: &str,
+    cfg: &ModelConfig,
+    parallel_from: usize,
+    kv: KvPrecision,
+    weights: WeightPrecision,
+) {
     let m = model(cfg, 9);
-    let mut dec = Decoder::new(&m).unwrap();
+    let mut dec = Decoder::with_precision(&m, weights).unwrap();
     dec.set_parallel_attention_macs(parallel_from);
     dec.set_kv_precision(kv);
     // The second sequence's steps cross from the cache's first chunk into its second.
@@ -212,7 +226,7 @@ fn bf16_kv_cache_moves_the_logits_as_far_as_bf16_weights_do() {
         let (mean, worst) = off(&run(&bf16_cache));
         let (weights_mean, _) = off(&run(&Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap()));
         // Measured (these deliberately sharp models, logits up to ~10): mean 5.0e-3-7.3e-3, worst
-        // 2.1e-2-4.3e-2, 0.6-0.8 of bf16 weights' mean.
+        // 2.1e-2-4.3e-2, 0.5-0.55 of bf16 weights' mean (their products round the inputs too).
         assert!(mean > 0.0, "{name}: a bf16 cache changed nothing: is it rounded at all?");
         assert!(mean < 2e-2 && worst < 1e-1, "{name}: bf16 cache off by {mean} on average, {worst} at worst");
         assert!(mean < 1.5 * weights_mean, "{name}: bf16 cache {mean} against bf16 weights {weights_mean}");
@@ -283,13 +297,54 @@ fn rounded_model(cfg: &ModelConfig, seed: u64, precision: WeightPrecision) -> Mo
 }
 
 #[test]
-fn bf16_and_int8_weights_compute_the_rounded_model() {
+fn int8_weights_compute_the_rounded_model() {
     // Tied heads are left out: there the embedding lookup stays f32 while the head is rounded,
     // which no single rounded model reproduces.
-    for precision in [WeightPrecision::Bf16, WeightPrecision::Int8] {
-        for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
-            check_rounded(&format!("{name} {precision:?}"), &cfg, precision);
+    for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
+        check_rounded(&format!("{name} int8"), &cfg, WeightPrecision::Int8);
+    }
+}
+
+/// bf16 weights multiply inputs rounded to bf16 with f32 sums: the full forward whose linear
+/// layers run bf16 products (`Precision::Bf16Emulated`, rounded copies through f32 gemm) and whose
+/// attention stays f32 (the reference kernels), at every position.
+#[test]
+fn bf16_weights_compute_the_model_with_bf16_products() {
+    for (name, cfg) in configs() {
+        let mut m = model(&cfg, 4);
+        let ids = tokens(cfg.max_seq_len, cfg.vocab_size, 3);
+        let exact = Decoder::new(&m).unwrap();
+        let dec = Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap();
+        m.opts = RunOptions { kernels: Kernels::Reference, precision: Precision::Bf16Emulated, ..Default::default() };
+        let full = m.forward(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(), None).unwrap();
+        let full = full.squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+        let scale = full.iter().flatten().fold(1.0f32, |a, v| a.max(v.abs()));
+        let (mut seq, mut f32_seq) = (dec.new_sequence(), exact.new_sequence());
+        let mut logits = dec.prefill(&mut seq, &ids[..5]).unwrap();
+        let mut f32_logits = exact.prefill(&mut f32_seq, &ids[..5]).unwrap();
+        // Per position, the largest |difference| over `scale`: from the reference, from f32.
+        let (mut off, mut moved) = (Vec::new(), Vec::new());
+        for t in 4..cfg.max_seq_len {
+            if t > 4 {
+                logits = dec.step(&mut [&mut seq], &[ids[t]]).unwrap();
+                f32_logits = exact.step(&mut [&mut f32_seq], &[ids[t]]).unwrap();
+            }
+            off.push(max_abs(&logits, &full[t]) / scale);
+            moved.push(max_abs(&logits, &f32_logits) / scale);
         }
+        let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+        let worst = |v: &[f32]| v.iter().cloned().fold(0.0, f32::max);
+        // Measured (these deliberately sharp models): off 2e-7-2.7e-4 on average and 2e-5-8.4e-3
+        // at worst (an input whose f32 value differs in the last bits between the two paths can
+        // round to the neighbouring bf16 value), moved from f32 8.7e-3-1.6e-2 on average.
+        let (off_mean, moved_mean) = (mean(&off), mean(&moved));
+        assert!(moved_mean > 0.0, "{name}: bf16 weights changed nothing: are the products rounded at all?");
+        assert!(
+            off_mean < 1e-3 && worst(&off) < 2e-2,
+            "{name}: {off_mean} from bf16 products on average, {} at worst",
+            worst(&off)
+        );
+        assert!(off_mean < 0.1 * moved_mean, "{name}: {off_mean} from bf16 products, {moved_mean} from f32");
     }
 }
 

@@ -1,6 +1,7 @@
 //! GMAC/s and GB/s of `matmul_packed` at batch 1 from cache (one weight) and from memory (28
-//! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine; then f32 GMAC/s
-//! of several rows at once (batched decode) on the 28 weights and on one weight in cache. Runs on
+//! weights, 19 MiB in f32), f32 and bf16: the decode roofline of this machine; then GMAC/s of
+//! several rows at once (batched decode) on the 28 weights and on one weight in cache, f32 and
+//! bf16 (whose products round the rows to bf16 too). Runs on
 //! a rayon worker, as the fused decoder does, so products split over the pool's threads
 //! (`RAYON_NUM_THREADS=1`: one).
 use difftx_kernels::decode::{matmul_packed, PackedWeight, WeightPrecision};
@@ -41,17 +42,26 @@ fn probe() {
             );
         }
     }
-    let ws: Vec<PackedWeight> = (0..28)
-        .map(|k| PackedWeight::from_rows(&(0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect::<Vec<_>>(), 256))
-        .collect();
-    for rows in [1usize, 2, 3, 4, 5, 6, 8, 16] {
-        println!("F32 {rows} rows: {:.1} GMAC/s", rows_gmacs(&ws, rows, 100));
-    }
-    // One 256 × 256 weight (256 KiB, kept in cache): the kernel's own speed, to set beside the
-    // same row counts from memory above.
-    let cached = [PackedWeight::from_rows(&(0..256 * 256).map(|i| (i % 7) as f32 * 0.1).collect::<Vec<_>>(), 256)];
-    for rows in [1usize, 2, 3, 4, 6, 8, 16] {
-        println!("F32 {rows} rows, one 256x256 weight (cache): {:.1} GMAC/s", rows_gmacs(&cached, rows, 20000 / rows));
+    for precision in [WeightPrecision::F32, WeightPrecision::Bf16] {
+        let ws: Vec<PackedWeight> = (0..28)
+            .map(|k| {
+                let w: Vec<f32> = (0..704 * 256).map(|i| ((i + k) % 7) as f32 * 0.1).collect();
+                PackedWeight::from_rows_as(&w, 256, precision)
+            })
+            .collect();
+        for rows in [1usize, 2, 3, 4, 5, 6, 8, 16] {
+            println!("{precision:?} {rows} rows: {:.1} GMAC/s", rows_gmacs(&ws, rows, 100));
+        }
+        // One 256 × 256 weight (256 KiB in f32, kept in cache): the kernel's own speed, to set
+        // beside the same row counts from memory above.
+        let w: Vec<f32> = (0..256 * 256).map(|i| (i % 7) as f32 * 0.1).collect();
+        let cached = [PackedWeight::from_rows_as(&w, 256, precision)];
+        for rows in [1usize, 2, 3, 4, 6, 8, 16] {
+            println!(
+                "{precision:?} {rows} rows, one 256x256 weight (cache): {:.1} GMAC/s",
+                rows_gmacs(&cached, rows, 20000 / rows)
+            );
+        }
     }
 }
 

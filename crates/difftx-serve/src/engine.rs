@@ -65,8 +65,8 @@ pub struct Job {
 /// How the linear layers' weights are stored and run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ServeWeights {
-    /// The fused decoder (`difftx_core::Decoder`) with f32, bf16 or int8 (one scale per output
-    /// channel) weights: every running request in one batched step.
+    /// The fused decoder (`difftx_core::Decoder`) with f32, bf16 (bf16 products, f32 sums) or
+    /// int8 (one scale per output channel) weights: every running request in one batched step.
     Fused(WeightPrecision),
     /// ggml-style quantised layers (q8_0, q4k) through `Model::forward`: the requests of a step
     /// run one after the other.
