@@ -27,7 +27,7 @@ const MIN_MACS_PER_TASK: usize = 16 * 1024;
 
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
-    use super::{Element, KV_CHUNK};
+    use super::{Element, PanelElement, KV_CHUNK};
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
@@ -44,7 +44,14 @@ mod body {
     /// multiply-adds (only where the CPU has them).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub fn panel<E: Element, const FMA: bool, const WIDE: u8, const RG: usize, const CB: usize, const CB2: usize>(
+    pub fn panel<
+        E: PanelElement,
+        const FMA: bool,
+        const WIDE: u8,
+        const RG: usize,
+        const CB: usize,
+        const CB2: usize,
+    >(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -103,7 +110,7 @@ mod body {
         col0: usize,
     }
 
-    impl<'a, E: Element> Chunk<'a, E> {
+    impl<'a, E: PanelElement> Chunk<'a, E> {
         /// Rows r0..r0 + R of x cut to the inputs, the inputs' blocks of the panel (b columns
         /// each, `[len, b]`) and their number `len`.
         #[inline(always)]
@@ -117,7 +124,7 @@ mod body {
     /// The weights of the G columns from `col` in a chunk's blocks (b columns each, `[len, b]`):
     /// input i's are `run[i * b..][..G]`, within their block.
     #[inline(always)]
-    fn group_run<E: Element>(blocks: &[E], len: usize, col: usize) -> &[E] {
+    fn group_run<E: PanelElement>(blocks: &[E], len: usize, col: usize) -> &[E] {
         let b = E::BLOCK;
         &blocks[col / b * len * b + col % b..(col / b + 1) * len * b]
     }
@@ -125,7 +132,7 @@ mod body {
     /// Rows r0..r0 + R of a full panel over `inputs`, `CB` columns per pass; returns R. The plain
     /// code runs in the baseline variant; the AVX2 and AVX-512 variants go to their intrinsics.
     #[inline(always)]
-    fn chunk<E: Element, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
+    fn chunk<E: PanelElement, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
         at: Chunk<'_, E>,
         y: &mut [f32],
     ) -> usize {
@@ -191,7 +198,7 @@ mod body {
     /// The CPU must have AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn avx512_chunk<E: Element, const R: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
+    unsafe fn avx512_chunk<E: PanelElement, const R: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
@@ -251,7 +258,7 @@ mod body {
     /// The CPU must have AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn avx2_chunk<E: Element, const R: usize, const CB: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
+    unsafe fn avx2_chunk<E: PanelElement, const R: usize, const CB: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
@@ -304,7 +311,7 @@ mod body {
     /// The last panel, narrower than 64 columns: one row at a time.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn narrow<E: Element, const FMA: bool>(
+    fn narrow<E: PanelElement, const FMA: bool>(
         x: &[f32],
         in_dim: usize,
         panel: &[E],
@@ -555,8 +562,8 @@ macro_rules! dispatch {
 }
 
 /// `vdpbf16ps` on the pairs of [`body::panel_pairs`]: the same sums, 32 multiply-adds per
-/// instruction (16 pairs), about 2.5× the widen-and-FMA rate per core on the Zen 4 (design.md
-/// §7.23). Only where the CPU has AVX512_BF16.
+/// instruction (16 pairs), about twice the rate of widening bf16 weights to f32 for FMA on the
+/// Zen 4 (design.md §7.23). Only where the CPU has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 mod pairs_native {
     use super::body::PairRows;
@@ -716,17 +723,22 @@ const PANEL: usize = 64;
 const CHUNK: usize = 64;
 /// Bytes of one input's weights in a block of columns within a chunk: one cache line, so that a
 /// pass over any of a block's columns brings in whole lines, and consecutive inputs' lines follow
-/// one another (16 columns of f32, 32 of bf16, 64 of int8: the whole panel).
+/// one another (16 columns of f32, 64 of int8: the whole panel).
 const BLOCK_BYTES: usize = 64;
 /// Columns widened to f32 at a time: AVX2's 16 sums per row, the narrowest pass.
 const WIDEN: usize = 16;
 
-/// A weight element the packed kernel reads: f32, or bf16 / int8 codes widened to f32 on load.
+/// A value the kernels read and widen to f32: an f32, a bf16 (a KV cache's keys and values) or an
+/// int8 code (packed weights).
 pub trait Element: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+}
+
+/// An element of the weights [`matmul_packed`]'s f32 panels read (f32, int8 codes; bf16 weights
+/// have panels of pairs of their own, `PackedData::Bf16`).
+pub trait PanelElement: Element {
     /// Columns per block within a chunk of a packed panel (`BLOCK_BYTES` per input).
     const BLOCK: usize = BLOCK_BYTES / std::mem::size_of::<Self>();
-
-    fn to_f32(self) -> f32;
 
     /// `WIDEN` (16) weights widened to f32 in two AVX2 registers (columns 0..8, 8..16), written
     /// out rather than left to the compiler: its vectorisation of the plain loop came and went
@@ -753,7 +765,9 @@ impl Element for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+}
 
+impl PanelElement for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -787,32 +801,6 @@ impl Element for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load_avx2(src: &[Bf16; WIDEN]) -> [std::arch::x86_64::__m256; 2] {
-        use std::arch::x86_64::*;
-        std::array::from_fn(|h| {
-            // SAFETY: 8 codes (16 bytes) at 8·h lie in src.
-            unsafe {
-                let codes = _mm_loadu_si128(src.as_ptr().add(8 * h) as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(codes)))
-            }
-        })
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_avx512(src: &[Bf16; WIDEN]) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        // SAFETY: src is 16 codes (32 bytes).
-        unsafe {
-            let codes = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(codes)))
-        }
     }
 }
 
@@ -862,7 +850,9 @@ impl Element for i8 {
     fn to_f32(self) -> f32 {
         self as f32
     }
+}
 
+impl PanelElement for i8 {
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -942,7 +932,7 @@ enum PackedData {
 /// A Linear layer's weight (`[out, in]`, PyTorch's layout) re-laid out for [`matmul_packed`]:
 /// panels of 64 output columns stored one after the other. In f32 and int8 a full panel is a run
 /// of chunks of 64 inputs (the last one shorter), each chunk blocks of one cache line's columns
-/// (`Element::BLOCK`: four blocks of 16 in f32, one of 64 in int8), each block `[inputs, columns]`;
+/// (`PanelElement::BLOCK`: four blocks of 16 in f32, one of 64 in int8), each block `[inputs, columns]`;
 /// the last panel, when narrower, is `[in, width]`. A pass over some of a chunk's columns then
 /// reads whole lines, one input after another. (With plain `[in, 64]` f32 panels AVX2's 16-column
 /// passes over several rows read 64 of every 256 bytes, and ran at half the speed of the same
@@ -1061,7 +1051,7 @@ fn pairs_panel(isa: u8, native: bool, xp: &[u32], pairs: usize, panel: &[u32], y
 }
 
 /// (output column, input) of each position of a [`PackedWeight`] in turn, its chunks in blocks of
-/// `block` columns (`Element::BLOCK` of the stored type).
+/// `block` columns (`PanelElement::BLOCK` of the stored type).
 fn packed_order(out: usize, in_dim: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..out).step_by(PANEL).flat_map(move |c0| -> Box<dyn Iterator<Item = (usize, usize)>> {
         if out - c0 < PANEL {
