@@ -437,18 +437,32 @@ mod body {
         ld: usize,
         col0: usize,
     ) {
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| match at.rows() {
+            1 => pair_rows::<1, FMA>(at, y),
+            2 => pair_rows::<2, FMA>(at, y),
+            3 => pair_rows::<3, FMA>(at, y),
+            _ => pair_rows::<4, FMA>(at, y),
+        })
+    }
+
+    /// The loop every pair kernel runs: chunk by chunk, the rows in groups handed to `group`
+    /// (which takes up to four, [`PairRows::rows`], and returns how many it took).
+    #[inline(always)]
+    pub(super) fn pair_chunks(
+        xp: &[u32],
+        pairs: usize,
+        panel: &[u32],
+        y: &mut [f32],
+        ld: usize,
+        col0: usize,
+        mut group: impl FnMut(PairRows<'_>, &mut [f32]) -> usize,
+    ) {
         let rows = xp.len() / pairs;
         for p0 in (0..pairs).step_by(super::CHUNK_PAIRS) {
             let chunk = p0..(p0 + super::CHUNK_PAIRS).min(pairs);
             let mut r0 = 0;
             while r0 < rows {
-                let at = PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, ld, col0 };
-                r0 += match rows - r0 {
-                    1 => pair_rows::<1, FMA>(at, y),
-                    2 => pair_rows::<2, FMA>(at, y),
-                    3 => pair_rows::<3, FMA>(at, y),
-                    _ => pair_rows::<4, FMA>(at, y),
-                };
+                r0 += group(PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, ld, col0 }, y);
             }
         }
     }
@@ -463,6 +477,13 @@ mod body {
         pub(super) r0: usize,
         pub(super) ld: usize,
         pub(super) col0: usize,
+    }
+
+    impl PairRows<'_> {
+        /// Rows left from r0.
+        pub(super) fn rows(&self) -> usize {
+            self.xp.len() / self.pairs - self.r0
+        }
     }
 
     /// The f32 values of a pair's low (even input) and high (odd input) halves.
@@ -566,7 +587,7 @@ macro_rules! dispatch {
 /// Zen 4 (design.md §7.23). Only where the CPU has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 mod pairs_native {
-    use super::body::PairRows;
+    use super::body::{pair_chunks, PairRows};
     use std::arch::x86_64::*;
 
     /// [`body::panel_pairs`](super::body::panel_pairs) by `vdpbf16ps`.
@@ -575,23 +596,15 @@ mod pairs_native {
     /// The CPU must have AVX512F and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
-        let rows = xp.len() / pairs;
-        for p0 in (0..pairs).step_by(super::CHUNK_PAIRS) {
-            let chunk = p0..(p0 + super::CHUNK_PAIRS).min(pairs);
-            let mut r0 = 0;
-            while r0 < rows {
-                let at = PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, ld, col0 };
-                // SAFETY: the caller's contract.
-                r0 += unsafe {
-                    match rows - r0 {
-                        1 => rows_dp::<1>(at, y),
-                        2 => rows_dp::<2>(at, y),
-                        3 => rows_dp::<3>(at, y),
-                        _ => rows_dp::<4>(at, y),
-                    }
-                };
+        // SAFETY: the caller's contract.
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe {
+            match at.rows() {
+                1 => rows_dp::<1>(at, y),
+                2 => rows_dp::<2>(at, y),
+                3 => rows_dp::<3>(at, y),
+                _ => rows_dp::<4>(at, y),
             }
-        }
+        })
     }
 
     /// Rows r0..r0 + R over one chunk, the 64 columns' sums of each row in four registers.
@@ -641,30 +654,22 @@ mod pairs_native {
 /// plain code with FMA: the same bits. Runs at AVX-512 too where the CPU lacks AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 mod pairs_avx2 {
-    use super::body::PairRows;
+    use super::body::{pair_chunks, PairRows};
     use std::arch::x86_64::*;
 
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
-        let rows = xp.len() / pairs;
-        for p0 in (0..pairs).step_by(super::CHUNK_PAIRS) {
-            let chunk = p0..(p0 + super::CHUNK_PAIRS).min(pairs);
-            let mut r0 = 0;
-            while r0 < rows {
-                let at = PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, ld, col0 };
-                // SAFETY: the caller's contract.
-                r0 += unsafe {
-                    match rows - r0 {
-                        1 => rows_fma::<1>(at, y),
-                        2 => rows_fma::<2>(at, y),
-                        3 => rows_fma::<3>(at, y),
-                        _ => rows_fma::<4>(at, y),
-                    }
-                };
+        // SAFETY: the caller's contract.
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe {
+            match at.rows() {
+                1 => rows_fma::<1>(at, y),
+                2 => rows_fma::<2>(at, y),
+                3 => rows_fma::<3>(at, y),
+                _ => rows_fma::<4>(at, y),
             }
-        }
+        })
     }
 
     #[inline]
