@@ -25,6 +25,19 @@
 /// the byte-vocabulary head), decoded 3-7% faster at batch 1 than 64K.
 const MIN_MACS_PER_TASK: usize = 16 * 1024;
 
+/// `$kernel::<R, ..>(at, y)` for the number of rows left in `at` (1 to 3, else 4): the row-group
+/// dispatch of the pair kernels.
+macro_rules! by_rows {
+    ($at:expr, $y:expr, $kernel:ident $(, $extra:ident)?) => {
+        match $at.rows() {
+            1 => $kernel::<1 $(, $extra)?>($at, $y),
+            2 => $kernel::<2 $(, $extra)?>($at, $y),
+            3 => $kernel::<3 $(, $extra)?>($at, $y),
+            _ => $kernel::<4 $(, $extra)?>($at, $y),
+        }
+    };
+}
+
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
     use super::{Element, PanelElement, KV_CHUNK};
@@ -437,12 +450,7 @@ mod body {
         ld: usize,
         col0: usize,
     ) {
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| match at.rows() {
-            1 => pair_rows::<1, FMA>(at, y),
-            2 => pair_rows::<2, FMA>(at, y),
-            3 => pair_rows::<3, FMA>(at, y),
-            _ => pair_rows::<4, FMA>(at, y),
-        })
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| by_rows!(at, y, pair_rows, FMA))
     }
 
     /// The loop every pair kernel runs: chunk by chunk, the rows in groups handed to `group`
@@ -483,6 +491,19 @@ mod body {
         /// Rows left from r0.
         pub(super) fn rows(&self) -> usize {
             self.xp.len() / self.pairs - self.r0
+        }
+
+        /// Where each of rows r0..r0 + R starts in y, after checking that R rows of 64 columns
+        /// fit in y and the chunk in the panel and in xp (the SIMD kernels read and write
+        /// through unchecked pointers).
+        pub(super) fn checked_rows<const R: usize>(&self, y_len: usize) -> [usize; R] {
+            let starts = std::array::from_fn(|r| (self.r0 + r) * self.ld + self.col0);
+            assert!(
+                starts[R - 1] + super::PANEL <= y_len
+                    && self.chunk.end * super::PANEL <= self.panel.len()
+                    && (self.r0 + R) * self.pairs <= self.xp.len()
+            );
+            starts
         }
     }
 
@@ -597,14 +618,7 @@ mod pairs_native {
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
         // SAFETY: the caller's contract.
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe {
-            match at.rows() {
-                1 => rows_dp::<1>(at, y),
-                2 => rows_dp::<2>(at, y),
-                3 => rows_dp::<3>(at, y),
-                _ => rows_dp::<4>(at, y),
-            }
-        })
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe { by_rows!(at, y, rows_dp) })
     }
 
     /// Rows r0..r0 + R over one chunk, the 64 columns' sums of each row in four registers.
@@ -612,11 +626,11 @@ mod pairs_native {
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn rows_dp<const R: usize>(at: PairRows<'_>, y: &mut [f32]) -> usize {
         const C: usize = super::PANEL;
-        let PairRows { xp, pairs, panel, chunk, r0, ld, col0 } = at;
-        let row = |r: usize| (r0 + r) * ld + col0;
-        assert!(row(R - 1) + C <= y.len() && chunk.end * C <= panel.len() && (r0 + R) * pairs <= xp.len());
+        let starts = at.checked_rows::<R>(y.len());
+        let row = |r: usize| starts[r];
+        let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         // SAFETY (every intrinsic below): the features are the caller's contract; y's rows hold 64
-        // floats from row(r), the panel 64 pairs per pair index, xp `pairs` per row (asserted).
+        // floats from row(r), the panel 64 pairs per pair index, xp `pairs` per row (checked).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); 4]; R];
             if chunk.start > 0 {
@@ -662,26 +676,19 @@ mod pairs_avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
         // SAFETY: the caller's contract.
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe {
-            match at.rows() {
-                1 => rows_fma::<1>(at, y),
-                2 => rows_fma::<2>(at, y),
-                3 => rows_fma::<3>(at, y),
-                _ => rows_fma::<4>(at, y),
-            }
-        })
+        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe { by_rows!(at, y, rows_fma) })
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_fma<const R: usize>(at: PairRows<'_>, y: &mut [f32]) -> usize {
         const C: usize = super::PANEL;
-        let PairRows { xp, pairs, panel, chunk, r0, ld, col0 } = at;
-        let row = |r: usize| (r0 + r) * ld + col0;
-        assert!(row(R - 1) + C <= y.len() && chunk.end * C <= panel.len() && (r0 + R) * pairs <= xp.len());
+        let starts = at.checked_rows::<R>(y.len());
+        let row = |r: usize| starts[r];
+        let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         let halves = |pair: u32| (f32::from_bits(pair << 16), f32::from_bits(pair & 0xffff_0000));
         // SAFETY (every intrinsic below): the features are the caller's contract; the bounds as
-        // in pairs_native (asserted).
+        // in pairs_native (checked).
         unsafe {
             let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
             for c in (0..C).step_by(16) {
