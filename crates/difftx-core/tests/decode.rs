@@ -266,23 +266,19 @@ fn decoder_refuses_what_it_does_not_run_and_bad_tokens() {
     assert!(!Decoder::supports(&Model::from_weights(&cfg, &w).unwrap()));
 }
 
-/// The model with every linear layer's weight stored as `precision` would store it, back in f32:
-/// what a decoder at that precision computes exactly, up to f32 summation order.
-fn rounded_model(cfg: &ModelConfig, seed: u64, precision: WeightPrecision) -> Model {
-    let round = |t: &Tensor| match precision {
-        WeightPrecision::F32 => t.clone(),
-        WeightPrecision::Bf16 => t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(),
-        WeightPrecision::Int8 => {
-            let rows = t.to_vec2::<f32>().unwrap();
-            let deq: Vec<Vec<f32>> = rows
-                .iter()
-                .map(|row| {
-                    let s = int8_scale(row);
-                    row.iter().map(|&v| int8_code(v, s) as f32 * s).collect()
-                })
-                .collect();
-            Tensor::new(deq, &Device::Cpu).unwrap()
-        }
+/// The model with every linear layer's weight stored as int8 codes would store it, back in f32:
+/// what an int8 decoder computes exactly, up to f32 summation order.
+fn int8_rounded_model(cfg: &ModelConfig, seed: u64) -> Model {
+    let round = |t: &Tensor| {
+        let rows = t.to_vec2::<f32>().unwrap();
+        let deq: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|row| {
+                let s = int8_scale(row);
+                row.iter().map(|&v| int8_code(v, s) as f32 * s).collect()
+            })
+            .collect();
+        Tensor::new(deq, &Device::Cpu).unwrap()
     };
     let w: HashMap<String, Tensor> = init_weights(cfg, seed, DType::F32, &Device::Cpu)
         .unwrap()
@@ -301,7 +297,7 @@ fn int8_weights_compute_the_rounded_model() {
     // Tied heads are left out: there the embedding lookup stays f32 while the head is rounded,
     // which no single rounded model reproduces.
     for (name, cfg) in configs().into_iter().filter(|(_, c)| !c.tie_embeddings) {
-        check_rounded(&format!("{name} int8"), &cfg, WeightPrecision::Int8);
+        check_int8(&format!("{name} int8"), &cfg);
     }
 }
 
@@ -348,14 +344,14 @@ fn bf16_weights_compute_the_model_with_bf16_products() {
     }
 }
 
-/// A decoder at `precision` against the f32 decoder of the model rounded as it rounds, step by step.
-fn check_rounded(name: &str, cfg: &ModelConfig, precision: WeightPrecision) {
+/// An int8 decoder against the f32 decoder of the model rounded as it rounds, step by step.
+fn check_int8(name: &str, cfg: &ModelConfig) {
     let m = model(cfg, 4);
-    let rounded_weights = rounded_model(cfg, 4, precision);
-    let decoder = Decoder::with_precision(&m, precision).unwrap();
+    let rounded_weights = int8_rounded_model(cfg, 4);
+    let decoder = Decoder::with_precision(&m, WeightPrecision::Int8).unwrap();
     let (exact, reference) = (Decoder::new(&m).unwrap(), Decoder::new(&rounded_weights).unwrap());
     let ids = tokens(20, cfg.vocab_size, 9);
-    // Both start from the prompt's cache of the decoder at `precision` (the reference's
+    // Both start from the prompt's cache of the int8 decoder (the reference's
     // weights are the same numbers): the steps are what is compared.
     let mut a = decoder.new_sequence();
     decoder.prefill(&mut a, &ids[..3]).unwrap();

@@ -517,11 +517,12 @@ mod body {
     #[inline(always)]
     fn pair_rows<const R: usize, const FMA: bool>(at: PairRows<'_>, y: &mut [f32]) -> usize {
         const C: usize = super::PANEL;
-        let PairRows { xp, pairs, panel, chunk, r0, ld, col0 } = at;
+        let starts = at.checked_rows::<R>(y.len());
+        let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         let mut acc = [[0f32; C]; R];
         if chunk.start > 0 {
-            for (r, a) in acc.iter_mut().enumerate() {
-                a.copy_from_slice(&y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + C]);
+            for (a, &at) in acc.iter_mut().zip(&starts) {
+                a.copy_from_slice(&y[at..at + C]);
             }
         }
         for p in chunk {
@@ -537,8 +538,8 @@ mod body {
                 }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            y[(r0 + r) * ld + col0..(r0 + r) * ld + col0 + C].copy_from_slice(a);
+        for (a, &at) in acc.iter().zip(&starts) {
+            y[at..at + C].copy_from_slice(a);
         }
         R
     }
@@ -993,11 +994,18 @@ impl PackedWeight {
         self.out
     }
 
-    /// The columns and width of panel p.
+    /// Where panel p lies in the stored values, and its width in columns.
     fn panel_range(&self, p: usize) -> (std::ops::Range<usize>, usize) {
         let c0 = p * PANEL;
         let width = PANEL.min(self.out - c0);
-        (c0 * self.in_dim..(c0 + width) * self.in_dim, width)
+        match self.data {
+            // Every bf16 panel is padded to 64 columns of pairs.
+            PackedData::Bf16(_) => {
+                let len = self.in_dim.div_ceil(2) * PANEL;
+                (p * len..(p + 1) * len, width)
+            }
+            _ => (c0 * self.in_dim..(c0 + width) * self.in_dim, width),
+        }
     }
 }
 
@@ -1101,20 +1109,19 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
     // bf16 weights multiply the rows rounded to bf16 pairs (once per call, shared by the tasks).
     let native =
         crate::cpu::isa_level(isa) == 2 && crate::bf16_matmul::bf16_backend_available(crate::Bf16Backend::Avx512Bf16);
-    let rounded = matches!(w.data, PackedData::Bf16(_)).then(|| bf16_rows(x, in_dim, native));
+    let rounded = if let PackedData::Bf16(_) = w.data { bf16_rows(x, in_dim, native) } else { Vec::new() };
     let run = |p: usize, y: &mut [f32], ld: usize, col0: usize| {
         let (range, width) = w.panel_range(p);
         match &w.data {
             PackedData::F32(d) => dispatch!(isa, panel(x, in_dim, &d[range], width, y, ld, col0)),
             PackedData::Bf16(d) => {
-                let (xp, pairs) = (rounded.as_deref().unwrap_or_default(), in_dim.div_ceil(2));
-                let panel = &d[p * pairs * PANEL..(p + 1) * pairs * PANEL];
+                let (panel, pairs) = (&d[range], in_dim.div_ceil(2));
                 if width == PANEL {
-                    pairs_panel(isa, native, xp, pairs, panel, y, ld, col0);
+                    pairs_panel(isa, native, &rounded, pairs, panel, y, ld, col0);
                 } else {
                     // The last panel, padded to 64 columns: computed aside, its columns copied.
                     let mut full = vec![0f32; rows * PANEL];
-                    pairs_panel(isa, native, xp, pairs, panel, &mut full, PANEL, 0);
+                    pairs_panel(isa, native, &rounded, pairs, panel, &mut full, PANEL, 0);
                     for (r, f) in full.chunks_exact(PANEL).enumerate() {
                         y[r * ld + col0..r * ld + col0 + width].copy_from_slice(&f[..width]);
                     }
