@@ -158,6 +158,8 @@ struct Scratch {
     p2: Vec<f32>,
     /// A diff-v1 pair's output before its norm, [2d].
     pair: Vec<f32>,
+    /// One row's keys rotated to its position, [n_kv·d].
+    k_rot: Vec<f32>,
 }
 
 /// Prompt positions run as rows of one pass at most (bounds the pass's buffers).
@@ -443,8 +445,11 @@ impl Decoder {
     /// attend, each to the positions up to its own: one row of a prompt is one row here, so a
     /// prompt and a batch of sequences run the same code. Attention is split across threads when
     /// there is enough of it: over the rows, or over each row's heads when rows are fewer than
-    /// threads. Every split runs on `difftx_kernels::team`'s hot helpers (rayon's workers fall
-    /// asleep between the step's splits; docs/design.md §7.13).
+    /// threads. When each row is a sequence of its own and attends whole on one thread (a batch
+    /// of sequences), it writes its keys and values in its own task, just before it reads them:
+    /// the scattered key writes, a cache line per feature, were half of the caller's serial work
+    /// at sixteen sequences (docs/design.md §7.24). Every split runs on `difftx_kernels::team`'s
+    /// hot helpers (rayon's workers fall asleep between the step's splits; docs/design.md §7.13).
     fn forward_rows(
         &self,
         seqs: &mut [&mut SequenceCache],
@@ -484,7 +489,6 @@ impl Decoder {
         let mut h = vec![0f32; n * dm];
         let mut qkv = vec![0f32; n * qkv_width];
         let mut q_rot = vec![0f32; n * q_out];
-        let mut k_rot = vec![0f32; kv_out];
         let mut att = vec![0f32; n * self.o_in];
         let mut delta = vec![0f32; n * dm];
         let mut gate_up = vec![0f32; n * 2 * dff];
@@ -503,49 +507,94 @@ impl Decoder {
         let groups = if n < threads { units } else { 1 };
         let parallel = n * groups >= 2 && attention_work >= self.parallel_attention_macs;
         let group_width = self.o_in / groups;
-        let new_scratch = || Scratch { p1: vec![0f32; longest], p2: vec![0f32; longest], pair: vec![0f32; 2 * d] };
+        // Rows that write their own keys and values (see above).
+        let write_in_task = groups == 1 && seqs.len() == n && rows.iter().enumerate().all(|(i, &(s, _))| s == i);
+        let new_scratch = || Scratch {
+            p1: vec![0f32; longest],
+            p2: vec![0f32; longest],
+            pair: vec![0f32; 2 * d],
+            k_rot: vec![0f32; kv_out],
+        };
         // One thread's scratch serves every layer; split passes make one per thread.
         let mut scratch = new_scratch();
         for (l, lw) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
             matmul_packed(&h, &lw.qkv, &mut qkv);
-            // Keys and values of every row into its sequence's cache, queries rotated aside.
-            for (i, &(s, _)) in rows.iter().enumerate() {
+            // Row i's queries, keys, values and (diff-v2) λ-logits.
+            let row_parts = |i: usize| {
                 let row = &qkv[i * qkv_width..(i + 1) * qkv_width];
                 let (q, rest) = row.split_at(q_out);
                 let (k, rest) = rest.split_at(kv_out);
-                let v = &rest[..kv_out];
-                self.rope(q, pos[i], &mut q_rot[i * q_out..(i + 1) * q_out]);
-                self.rope(k, pos[i], &mut k_rot);
-                match &mut seqs[s].store {
-                    KvStore::F32(layers) => self.write_kv(layers, l, pos[i], &k_rot, v),
-                    KvStore::Bf16(layers) => self.write_kv(layers, l, pos[i], &k_rot, v),
-                }
-            }
-            let caches: Vec<LayerKv> = seqs.iter().map(|s| s.store.layer(l)).collect();
-            // Group `g` of row `i`: its output units from `g * units / groups` on.
-            let attend_group = |scratch: &mut Scratch, task: usize, out: &mut [f32]| {
-                let (i, g) = (task / groups, task % groups);
-                let lambda_logits = &qkv[i * qkv_width + q_out + 2 * kv_out..(i + 1) * qkv_width];
-                let (q, len, first) = (&q_rot[i * q_out..(i + 1) * q_out], pos[i] + 1, g * units / groups);
-                out.fill(0.0);
-                match caches[rows[i].0] {
-                    LayerKv::F32(keys, values) => {
-                        let cache = LayerCache { keys, values, len };
-                        self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
-                    }
-                    LayerKv::Bf16(keys, values) => {
-                        let cache = LayerCache { keys, values, len };
-                        self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
-                    }
+                let (v, lambda_logits) = rest.split_at(kv_out);
+                (q, k, v, lambda_logits)
+            };
+            // Row i's keys (rotated with `k_rot`) and values into `seq`, its queries rotated into
+            // `q_rot`.
+            let write_row = |i: usize, seq: &mut SequenceCache, q_rot: &mut [f32], k_rot: &mut [f32]| {
+                let (q, k, v, _) = row_parts(i);
+                self.rope(q, pos[i], q_rot);
+                self.rope(k, pos[i], k_rot);
+                match &mut seq.store {
+                    KvStore::F32(layers) => self.write_kv(layers, l, pos[i], k_rot, v),
+                    KvStore::Bf16(layers) => self.write_kv(layers, l, pos[i], k_rot, v),
                 }
             };
-            if parallel {
-                let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
-                team::for_each_mut_init(&mut outs, new_scratch, |scratch, task, out| attend_group(scratch, task, out));
+            // Output units `first ..` of row i (out: whole units) over `cache`.
+            let attend_row =
+                |i: usize, cache: LayerKv, q: &[f32], first: usize, scratch: &mut Scratch, out: &mut [f32]| {
+                    let (lambda_logits, len) = (row_parts(i).3, pos[i] + 1);
+                    out.fill(0.0);
+                    match cache {
+                        LayerKv::F32(keys, values) => {
+                            let cache = LayerCache { keys, values, len };
+                            self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
+                        }
+                        LayerKv::Bf16(keys, values) => {
+                            let cache = LayerCache { keys, values, len };
+                            self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
+                        }
+                    }
+                };
+            if write_in_task {
+                // Row i = sequence i: its task writes, then attends.
+                let mut tasks: Vec<_> = att
+                    .chunks_exact_mut(self.o_in)
+                    .zip(q_rot.chunks_exact_mut(q_out))
+                    .zip(seqs.iter_mut())
+                    .map(|((out, q), seq)| (out, q, &mut **seq))
+                    .collect();
+                let run = |scratch: &mut Scratch,
+                           i: usize,
+                           (out, q, seq): &mut (&mut [f32], &mut [f32], &mut SequenceCache)| {
+                    write_row(i, seq, q, &mut scratch.k_rot);
+                    attend_row(i, seq.store.layer(l), q, 0, scratch, out);
+                };
+                if parallel {
+                    team::for_each_mut_init(&mut tasks, new_scratch, run);
+                } else {
+                    tasks.iter_mut().enumerate().for_each(|(i, task)| run(&mut scratch, i, task));
+                }
             } else {
-                for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
-                    attend_group(&mut scratch, task, out);
+                // Every row's keys and values into its sequence's cache first, in row order.
+                for (i, &(s, _)) in rows.iter().enumerate() {
+                    write_row(i, seqs[s], &mut q_rot[i * q_out..(i + 1) * q_out], &mut scratch.k_rot);
+                }
+                let caches: Vec<LayerKv> = seqs.iter().map(|s| s.store.layer(l)).collect();
+                // Group `g` of row `i`: its output units from `g * units / groups` on.
+                let attend_group = |scratch: &mut Scratch, task: usize, out: &mut [f32]| {
+                    let (i, g) = (task / groups, task % groups);
+                    let q = &q_rot[i * q_out..(i + 1) * q_out];
+                    attend_row(i, caches[rows[i].0], q, g * units / groups, scratch, out)
+                };
+                if parallel {
+                    let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
+                    team::for_each_mut_init(&mut outs, new_scratch, |scratch, task, out| {
+                        attend_group(scratch, task, out)
+                    });
+                } else {
+                    for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
+                        attend_group(&mut scratch, task, out);
+                    }
                 }
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
@@ -604,7 +653,7 @@ impl Decoder {
         let d = self.head_dim;
         let (len, stride) = (cache.len, self.chunk_stride());
         let scale = 1.0 / (d as f32).sqrt();
-        let Scratch { p1, p2, pair } = scratch;
+        let Scratch { p1, p2, pair, .. } = scratch;
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
         // Head h's keys and values, from its part of the first chunk on.
