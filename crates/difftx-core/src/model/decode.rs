@@ -219,6 +219,22 @@ fn stacked(ls: &[&Linear], precision: WeightPrecision) -> Result<PackedWeight> {
     Ok(PackedWeight::from_rows_as(&rows, in_dim, precision))
 }
 
+/// `f(scratch, i, &mut tasks[i])` for every task: split over `team`'s threads (a scratch each)
+/// where `parallel`, else in order on this thread with `scratch`.
+fn for_each_task<T: Send>(
+    parallel: bool,
+    tasks: &mut [T],
+    scratch: &mut Scratch,
+    new_scratch: impl Fn() -> Scratch + Sync,
+    f: impl Fn(&mut Scratch, usize, &mut T) + Sync,
+) {
+    if parallel {
+        team::for_each_mut_init(tasks, new_scratch, f);
+    } else {
+        tasks.iter_mut().enumerate().for_each(|(i, task)| f(scratch, i, task));
+    }
+}
+
 fn add_into(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
@@ -569,11 +585,7 @@ impl Decoder {
                     write_row(i, seq, q, &mut scratch.k_rot);
                     attend_row(i, seq.store.layer(l), q, 0, scratch, out);
                 };
-                if parallel {
-                    team::for_each_mut_init(&mut tasks, new_scratch, run);
-                } else {
-                    tasks.iter_mut().enumerate().for_each(|(i, task)| run(&mut scratch, i, task));
-                }
+                for_each_task(parallel, &mut tasks, &mut scratch, new_scratch, run);
             } else {
                 // Every row's keys and values into its sequence's cache first, in row order.
                 for (i, &(s, _)) in rows.iter().enumerate() {
@@ -586,16 +598,10 @@ impl Decoder {
                     let q = &q_rot[i * q_out..(i + 1) * q_out];
                     attend_row(i, caches[rows[i].0], q, g * units / groups, scratch, out)
                 };
-                if parallel {
-                    let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
-                    team::for_each_mut_init(&mut outs, new_scratch, |scratch, task, out| {
-                        attend_group(scratch, task, out)
-                    });
-                } else {
-                    for (task, out) in att.chunks_exact_mut(group_width).enumerate() {
-                        attend_group(&mut scratch, task, out);
-                    }
-                }
+                let mut outs: Vec<&mut [f32]> = att.chunks_exact_mut(group_width).collect();
+                for_each_task(parallel, &mut outs, &mut scratch, new_scratch, |scratch, task, out| {
+                    attend_group(scratch, task, out)
+                });
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
             add_into(&mut x, &delta);
