@@ -195,8 +195,8 @@ struct TrainArgs {
     kernels: KernelChoice,
     /// Matrix products of the linear layers and of the fused attention kernels' tiles: f32, or
     /// bf16 (inputs rounded to bf16, sums in f32, on AMX or AVX512_BF16; where the CPU has
-    /// neither, training says so and runs in f32). Weights, gradients, optimizer state and
-    /// checkpoints stay f32 either way.
+    /// neither, or only Intel's AVX512_BF16, which is slower than f32, training says so and runs
+    /// in f32). Weights, gradients, optimizer state and checkpoints stay f32 either way.
     #[arg(long, default_value = "f32")]
     precision: Precision,
 }
@@ -773,8 +773,8 @@ struct BenchArgs {
     /// Skip the reference-kernel training measurement.
     #[arg(long)]
     no_reference: bool,
-    /// Skip the bf16 training measurement (run by default where the CPU has AMX-BF16 or
-    /// AVX512_BF16).
+    /// Skip the bf16 training measurement (run by default where `--precision bf16` trains in
+    /// bf16: AMX-BF16, or AVX512_BF16 other than Intel's half-rate one).
     #[arg(long)]
     no_bf16: bool,
     /// Skip every training measurement (decode and attn-long only).

@@ -27,7 +27,8 @@ pub enum Precision {
     /// Inputs rounded to bf16, products summed in f32 (AMX or AVX512_BF16): mixed-precision
     /// training's matmuls, in the linear layers and in the fused attention kernels' tiles
     /// (scores, P·V and their gradients; the softmax stays f32). Weights, activations between
-    /// ops, gradients and optimizer state stay f32. Needs [`Precision::bf16_available`].
+    /// ops, gradients and optimizer state stay f32. Needs a bf16 backend (`difftx_kernels::bf16_backend`);
+    /// [`Precision::resolve`] keeps it only where that backend outpaces f32.
     Bf16,
     /// The arithmetic of `Bf16` (same roundings, gradients included) by f32 gemm on rounded
     /// copies in the linear layers: any CPU, no faster than f32; the reference the bf16 kernel
@@ -37,20 +38,32 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// Whether this CPU has a bf16 matrix-product backend (AMX-BF16 or AVX512_BF16).
-    pub fn bf16_available() -> bool {
-        difftx_kernels::bf16_backend().is_some()
+    /// Whether `Bf16` runs as bf16 here: the CPU has a bf16 matrix-product backend (AMX-BF16 or
+    /// AVX512_BF16) and it outpaces f32 (`difftx_kernels::bf16_outpaces_f32`: not Intel's
+    /// AVX512_BF16 without AMX). The model runs `Bf16` wherever a backend exists; this is the
+    /// policy of [`Precision::resolve`].
+    pub fn bf16_faster_than_f32() -> bool {
+        difftx_kernels::bf16_faster_than_f32()
     }
 
     /// What `self` runs as here, with a sentence for the user when bf16 was asked for but the
-    /// CPU has no backend (then f32).
+    /// CPU has no backend faster than f32 (then f32).
     pub fn resolve(self) -> (Precision, Option<String>) {
         match self {
-            Precision::Bf16 if !Self::bf16_available() => (
-                Precision::F32,
-                Some("bf16 precision: this CPU has neither AMX-BF16 nor AVX512_BF16; running in f32".into()),
-            ),
+            Precision::Bf16 if !Self::bf16_faster_than_f32() => (Precision::F32, Some(Self::bf16_fallback_reason())),
             p => (p, None),
+        }
+    }
+
+    /// Why `Bf16` runs as f32 on this CPU.
+    fn bf16_fallback_reason() -> String {
+        if difftx_kernels::bf16_backend().is_some() {
+            "bf16 precision: this CPU has no usable AMX, and its AVX512_BF16 dot products run at half \
+             its f32 FMA rate (Intel), so bf16 products would be slower than f32; running in f32 \
+             (DIFFTX_BF16_BACKEND=avx512_bf16 runs them anyway)"
+                .into()
+        } else {
+            "bf16 precision: this CPU has neither AMX-BF16 nor AVX512_BF16; running in f32".into()
         }
     }
 

@@ -243,12 +243,12 @@ pub enum Bf16Backend {
 
 /// The fastest bf16 backend this CPU and OS allow, detected once; `None` where there is none.
 /// `DIFFTX_BF16_BACKEND=avx512_bf16` picks the AVX-512 kernel on an AMX machine (to measure or
-/// check it); an unavailable choice is ignored.
+/// check it); an unavailable choice is ignored. Whether it beats f32 here is
+/// [`bf16_faster_than_f32`].
 pub fn bf16_backend() -> Option<Bf16Backend> {
     static BACKEND: OnceLock<Option<Bf16Backend>> = OnceLock::new();
     *BACKEND.get_or_init(|| {
-        let forced = std::env::var("DIFFTX_BF16_BACKEND").ok();
-        if forced.as_deref() == Some("avx512_bf16") && avx512bf16_available() {
+        if avx512bf16_forced() && avx512bf16_available() {
             Some(Bf16Backend::Avx512Bf16)
         } else if amx_available() {
             Some(Bf16Backend::Amx)
@@ -258,6 +258,46 @@ pub fn bf16_backend() -> Option<Bf16Backend> {
             None
         }
     })
+}
+
+/// Whether bf16 products on [`bf16_backend`] outpace f32 ones on this CPU ([`bf16_outpaces_f32`]
+/// on its facts): what decides whether `--precision bf16` runs bf16 or falls back to f32.
+pub fn bf16_faster_than_f32() -> bool {
+    static FASTER: OnceLock<bool> = OnceLock::new();
+    *FASTER.get_or_init(|| bf16_outpaces_f32(bf16_backend(), intel_cpu(), avx512bf16_forced()))
+}
+
+/// AMX always does. AVX512_BF16 does on AMD (the bf16 kernel ran 195–317 GFLOP/s against
+/// candle's f32 gemm at 138–188 on the Zen 4, 1.4–2.2× it on the Zen 5), not on Intel, where
+/// `vdpbf16ps` (32 products) issues at a quarter of the rate of 16-wide f32 FMAs: half their
+/// products (family 6 model 207, AMX hidden by its hypervisor: 43 against 88 GMAC/s on one core,
+/// sixteen independent chains each; the bf16 kernel ran 0.53–0.78× candle's f32 gemm and trained
+/// at about 0.65× f32's tokens/s, design.md §7.26). Cooper Lake, the Intel CPU with AVX512_BF16
+/// and no AMX by design, was not measured.
+/// `forced` (`DIFFTX_BF16_BACKEND=avx512_bf16`) counts AVX512_BF16 as faster anyway.
+pub fn bf16_outpaces_f32(backend: Option<Bf16Backend>, intel: bool, forced: bool) -> bool {
+    match backend {
+        None => false,
+        Some(Bf16Backend::Amx) => true,
+        Some(Bf16Backend::Avx512Bf16) => forced || !intel,
+    }
+}
+
+/// `DIFFTX_BF16_BACKEND=avx512_bf16`.
+fn avx512bf16_forced() -> bool {
+    std::env::var("DIFFTX_BF16_BACKEND").is_ok_and(|v| v == "avx512_bf16")
+}
+
+/// Whether CPUID's vendor string is "GenuineIntel".
+fn intel_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0: the vendor string in EBX, EDX, ECX ("Genu", "ineI", "ntel").
+        let id = std::arch::x86_64::__cpuid(0);
+        (id.ebx, id.edx, id.ecx) == (0x756e_6547, 0x4965_6e69, 0x6c65_746e)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether `backend` can run here (tests use this to cover every backend the machine has).
@@ -1187,6 +1227,23 @@ mod tests {
             matmul_into(backend, a, b, &mut got).unwrap();
             assert_eq!(got, want, "{backend:?}");
         }
+    }
+
+    #[test]
+    fn bf16_outpaces_f32_on_amx_and_on_amd_avx512bf16_only() {
+        use Bf16Backend::{Amx, Avx512Bf16};
+        for (backend, intel, forced, want) in [
+            (None, false, false, false),
+            (None, true, true, false),
+            (Some(Amx), true, false, true),
+            (Some(Avx512Bf16), false, false, true),
+            (Some(Avx512Bf16), true, false, false),
+            (Some(Avx512Bf16), true, true, true),
+        ] {
+            assert_eq!(bf16_outpaces_f32(backend, intel, forced), want, "{backend:?} intel {intel} forced {forced}");
+        }
+        // This machine: a backend is faster than f32 only if there is a backend.
+        assert!(!bf16_faster_than_f32() || bf16_backend().is_some());
     }
 
     #[test]

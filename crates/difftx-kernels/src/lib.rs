@@ -60,7 +60,8 @@ pub mod team;
 mod tile;
 
 pub use bf16_matmul::{
-    bf16_backend, linear_bf16, linear_bf16_emulated, matmul_bf16, matmul_bf16_emulated, Bf16Backend,
+    bf16_backend, bf16_faster_than_f32, bf16_outpaces_f32, linear_bf16, linear_bf16_emulated, matmul_bf16,
+    matmul_bf16_emulated, Bf16Backend,
 };
 pub use cross_entropy::cross_entropy;
 pub use diff_attention::{diff_attention, diff_v2_attention};

@@ -6,7 +6,8 @@
 //!   their bf16 runs) are timed side by side: one step of each in turn, so that a shared host's
 //!   swings in speed fall on all of them alike and their ratios hold.
 //! * `train_bf16`: the same steps with bf16 products in the linear layers (`Precision::Bf16`:
-//!   AMX or AVX512_BF16), interleaved with the f32 runs; absent where the CPU has neither.
+//!   AMX or AVX512_BF16), interleaved with the f32 runs; empty where `--precision bf16` runs f32
+//!   (no backend, or Intel's half-rate AVX512_BF16 without AMX: `train_bf16_note` says which).
 //! * `train_reference_kernels`: the same with `Kernels::Reference` (composed candle ops) for one
 //!   family, so the gain of the fused kernels is visible.
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
@@ -74,7 +75,7 @@ pub struct BenchOptions {
     pub seq_len: usize,
     pub warmup_steps: usize,
     pub steps: usize,
-    /// Also time training with bf16 products (skipped where the CPU has no bf16 backend).
+    /// Also time training with bf16 products (skipped where `--precision bf16` runs f32).
     pub bf16: bool,
     /// Family whose training is also timed with `Kernels::Reference` (None: skip).
     pub reference_family: Option<Family>,
@@ -622,7 +623,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     let mut train = Map::new();
     let mut train_bf16 = Map::new();
     let mut decode = Map::new();
-    let bf16 = opts.bf16 && Precision::bf16_available();
+    let bf16 = opts.bf16 && Precision::bf16_faster_than_f32();
     let (matmul_before, matmul_shape) = host_matmul_gflops(opts)?;
     if opts.train && !opts.families.is_empty() {
         // Every family in f32 (and in bf16 where available), their timed steps interleaved.
@@ -711,6 +712,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         "preset": opts.preset, "batch": opts.batch_size, "seq": opts.seq_len, "dtype": "f32",
         "train": train,
         "train_bf16": train_bf16,
+        "train_bf16_note": Precision::Bf16.resolve().1,
         "train_reference_kernels": reference,
         "decode": decode,
         "ratios": ratios,
