@@ -267,8 +267,9 @@ pub fn bf16_faster_than_f32() -> bool {
     *FASTER.get_or_init(|| bf16_outpaces_f32(bf16_backend(), intel_cpu(), avx512bf16_forced()))
 }
 
-/// AMX always does. AVX512_BF16 does on AMD (the bf16 kernel ran 195–317 GFLOP/s against
-/// candle's f32 gemm at 138–188 on the Zen 4, 1.4–2.2× it on the Zen 5), not on Intel, where
+/// Whether bf16 products on `backend` outpace f32 ones (`intel`: the CPU is Intel's). AMX's
+/// always do. AVX512_BF16's do on AMD (the bf16 kernel ran 195–317 GFLOP/s against candle's f32
+/// gemm at 138–188 on the Zen 4, 1.4–2.2× it on the Zen 5), not on Intel, where
 /// `vdpbf16ps` (32 products) issues at a quarter of the rate of 16-wide f32 FMAs: half their
 /// products (family 6 model 207, AMX hidden by its hypervisor: 43 against 88 GMAC/s on one core,
 /// sixteen independent chains each; the bf16 kernel ran 0.53–0.78× candle's f32 gemm and trained
@@ -1242,8 +1243,6 @@ mod tests {
         ] {
             assert_eq!(bf16_outpaces_f32(backend, intel, forced), want, "{backend:?} intel {intel} forced {forced}");
         }
-        // This machine: a backend is faster than f32 only if there is a backend.
-        assert!(!bf16_faster_than_f32() || bf16_backend().is_some());
     }
 
     #[test]
