@@ -57,6 +57,11 @@ TARGETS = [
     ("diff-v1 decode >= 10x HF generate", "ratio_difftx_over_pytorch", "decode_diff-v1_tokens_per_sec", lambda x: x >= 10),
     ("diff-v1 decode >= 2,000 tokens/s", "difftx", "decode_diff-v1_tokens_per_sec", lambda x: x >= 2000),
     ("diff-v1 / baseline decode time <= 1.10", "difftx", "decode_time_diff-v1_over_baseline", lambda x: x <= 1.10),
+    # Speculative decoding (a bf16 draft checked by the f32 decoder): plain greedy's tokens.
+    ("diff-v1 speculative decode >= 10x HF generate", "ratio_difftx_over_pytorch",
+     "decode_diff-v1_speculative_tokens_per_sec_over_hf_generate", lambda x: x >= 10),
+    ("diff-v1 speculative decode >= 2,000 tokens/s", "difftx", "decode_diff-v1_speculative_tokens_per_sec",
+     lambda x: x >= 2000),
 ]
 
 
@@ -154,6 +159,13 @@ def main():
                 ours, "decode", fam, "batched_tokens_per_sec_bf16_weights_and_kv_cache"
             )
             row["difftx"][f"decode_{fam}_forward_path_tokens_per_sec"] = get(ours, "decode", fam, "tokens_per_sec_forward_path")
+            spec = get(ours, "decode", fam, "speculative") or {}
+            x, y = spec.get("tokens_per_sec"), get(theirs, "decode", fam, "tokens_per_sec")
+            row["difftx"][f"decode_{fam}_speculative_tokens_per_sec"] = x
+            row["difftx"][f"decode_{fam}_speculative_over_plain"] = spec.get("over_plain")
+            row["difftx"][f"decode_{fam}_speculative_acceptance"] = spec.get("acceptance")
+            if x and y:
+                row["ratio_difftx_over_pytorch"][f"decode_{fam}_speculative_tokens_per_sec_over_hf_generate"] = round(x / y, 3)
         if not a.no_attn:
             row["difftx"]["attn_long"] = ours.get("attn_long")
             row["pytorch"]["attn_long"] = theirs.get("attn_long")

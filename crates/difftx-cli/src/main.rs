@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
-use difftx_core::generate::{generate, generate_fused, Sampler, SamplingParams};
+use difftx_core::generate::{generate, generate_fused, generate_speculative, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Decoder, Family, Kernels, KvPrecision, ModelConfig, Precision, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
@@ -247,6 +247,14 @@ struct GenerateArgs {
     /// cached position; the logits move by bf16 rounding). Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
+    /// Speculative decoding, greedy only: a copy of the model with bf16 weights and a bf16 cache
+    /// drafts up to this many tokens at a time and the decoder at --precision checks them in one
+    /// pass, keeping those it would have picked itself. The text is that of plain greedy
+    /// decoding at --precision; what changes is the speed (faster when reading the weights bounds
+    /// a step, as f32 at batch 1 does: docs/design.md §7.27). Needs --temperature 0 and
+    /// --weights f32.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    speculative: Option<u64>,
 }
 
 #[derive(Args)]
@@ -547,8 +555,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             "ROMEO:",
             a.sample_tokens,
             SamplingParams { temperature: 0.8, seed: 0, ..Default::default() },
-            WeightPrecision::F32,
-            KvPrecision::F32,
+            DecodeChoice::default(),
         )?;
         println!();
     }
@@ -559,15 +566,39 @@ fn param_summary(cfg: &ModelConfig) -> String {
     format!("{:.2}M params", cfg.param_counts().total as f64 / 1e6)
 }
 
+/// How `stream_generate` decodes: the fused decoder's weights and cache (`generate --precision`,
+/// `--kv-cache`), and speculative decoding's drafts per pass (`--speculative`).
+#[derive(Clone, Copy)]
+struct DecodeChoice {
+    precision: WeightPrecision,
+    kv_cache: KvPrecision,
+    speculative: Option<u64>,
+}
+
+impl Default for DecodeChoice {
+    fn default() -> Self {
+        DecodeChoice { precision: WeightPrecision::F32, kv_cache: KvPrecision::F32, speculative: None }
+    }
+}
+
 fn stream_generate(
     model: &difftx_core::Model,
     tok: &Tokenizer,
     prompt: &str,
     n: usize,
     params: SamplingParams,
-    precision: WeightPrecision,
-    kv_cache: KvPrecision,
+    choice: DecodeChoice,
 ) -> Result<()> {
+    let DecodeChoice { precision, kv_cache, speculative } = choice;
+    if speculative.is_some() && params.temperature != 0.0 {
+        bail!(
+            "--speculative keeps the drafts the model would pick greedily: it needs --temperature 0 (got {})",
+            params.temperature
+        );
+    }
+    if speculative.is_some() && !Decoder::supports(model) {
+        bail!("--speculative runs the fused decoder, which needs f32 weights: drop --weights");
+    }
     let fused = precision != WeightPrecision::F32 || kv_cache != KvPrecision::F32;
     if fused && !Decoder::supports(model) {
         let (precision, kv_cache) = (format!("{precision:?}"), format!("{kv_cache:?}"));
@@ -587,13 +618,26 @@ fn stream_generate(
         out.flush()?;
         Ok(())
     };
-    if fused {
+    if let Some(draft_len) = speculative {
         let mut decoder = Decoder::with_precision(model, precision)?;
         decoder.set_kv_precision(kv_cache);
-        generate_fused(&decoder, &ids, n, &mut sampler, on_token)?
+        let mut draft = Decoder::with_precision(model, WeightPrecision::Bf16)?;
+        draft.set_kv_precision(KvPrecision::Bf16);
+        let (_, stats) = generate_speculative(&decoder, &draft, &ids, n, draft_len as usize, on_token)?;
+        eprintln!(
+            "\nspeculative decoding: {} of {} drafted tokens kept ({:.1}%) in {} passes",
+            stats.accepted,
+            stats.drafted,
+            100.0 * stats.acceptance(),
+            stats.rounds
+        );
+    } else if fused {
+        let mut decoder = Decoder::with_precision(model, precision)?;
+        decoder.set_kv_precision(kv_cache);
+        generate_fused(&decoder, &ids, n, &mut sampler, on_token)?;
     } else {
-        generate(model, &ids, n, &mut sampler, on_token)?
-    };
+        generate(model, &ids, n, &mut sampler, on_token)?;
+    }
     write!(out, "{}", dec.finish()?)?;
     out.flush()?;
     Ok(())
@@ -614,7 +658,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let model = load_for_inference(&dir, a.weights)?;
     let tok = Tokenizer::from_model_dir(&dir)?;
     let params = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
-    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, a.precision, a.kv_cache)?;
+    let choice = DecodeChoice { precision: a.precision, kv_cache: a.kv_cache, speculative: a.speculative };
+    stream_generate(&model, &tok, &a.prompt, a.max_new_tokens, params, choice)?;
     println!();
     Ok(())
 }

@@ -132,6 +132,9 @@ fn train_generate_eval_logits_for_every_family() {
             "0",
         ];
         assert_eq!(ok(&greedy), ok(&greedy), "greedy generation is not deterministic");
+        // Speculative decoding with a bf16 draft: the same text as plain greedy decoding.
+        let speculative = [&greedy[..], &["--speculative", "4"]].concat();
+        assert_eq!(ok(&speculative), ok(&greedy), "{family}: --speculative changed the text");
         let report: serde_json::Value = serde_json::from_str(&ok(&[
             "eval",
             "--model",
@@ -322,6 +325,11 @@ fn bad_inputs_give_clear_errors() {
     fails_with(
         &["generate", "--model", run_dir.to_str().unwrap(), "--prompt", &long],
         "longer than the model's context",
+    );
+    // Speculative decoding is greedy only.
+    fails_with(
+        &["generate", "--model", run_dir.to_str().unwrap(), "--prompt", "a", "--speculative", "3"],
+        "needs --temperature 0",
     );
     // Model folder that does not exist / holds no model.
     fails_with(&["generate", "--model", "/nonexistent/model", "--prompt", "a"], "does not exist");

@@ -46,20 +46,13 @@ impl Sampler {
 
     /// Picks the next token from one position's logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let argmax = || {
-            logits
-                .iter()
-                .enumerate()
-                .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
-                .0 as u32
-        };
         if self.params.temperature == 0.0 {
-            return argmax();
+            return argmax(logits);
         }
         // Candidates sorted by logit, cut by top-k, then softmax at the temperature, then top-p.
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
         if idx.is_empty() {
-            return argmax();
+            return argmax(logits);
         }
         idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
         if let Some(k) = self.params.top_k {
@@ -92,6 +85,15 @@ impl Sampler {
         }
         *idx.last().unwrap() as u32
     }
+}
+
+/// The greedy pick: the first of the largest logits (0 when none is larger than -inf).
+pub fn argmax(logits: &[f32]) -> u32 {
+    logits
+        .iter()
+        .enumerate()
+        .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
+        .0 as u32
 }
 
 /// Generates up to `max_new` tokens after `prompt`, calling `on_token` with each as it is made.
@@ -142,6 +144,115 @@ pub fn generate_fused(
             return Ok(out);
         }
         logits = decoder.step(&mut [&mut seq], &[next])?;
+    }
+}
+
+/// What a speculative run did: how many draft tokens it proposed and how many the target kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculativeStats {
+    /// Passes of the target over a token and its drafts.
+    pub rounds: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl SpeculativeStats {
+    /// Share of the drafted tokens the target kept (0 when none were drafted).
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+}
+
+/// Greedy generation by speculative decoding: `draft` (a cheaper decoder of the same vocabulary,
+/// such as the same model with bf16 weights) proposes up to `draft_len` tokens one at a time,
+/// and `target` checks them all in one pass (`Decoder::extend`, one read of its weights), keeping
+/// the drafts up to the first it would not have picked and its own token after them. Every token
+/// is the target's argmax after the tokens before it, so the output is `generate_fused`'s with a
+/// greedy sampler on `target`, whatever the draft proposes (the draft only decides how many tokens
+/// a pass yields); the target's rows of a pass are summed in another order than single steps,
+/// which could flip an exact tie. Stops at `max_new` tokens or the target's context, as
+/// `generate_fused` does. docs/design.md §7.27 has the measured rates.
+pub fn generate_speculative(
+    target: &Decoder,
+    draft: &Decoder,
+    prompt: &[u32],
+    max_new: usize,
+    draft_len: usize,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Vec<u32>, SpeculativeStats)> {
+    if draft.vocab_size() != target.vocab_size() {
+        bail!("the draft's vocabulary ({} tokens) is not the target's ({})", draft.vocab_size(), target.vocab_size());
+    }
+    if draft_len == 0 {
+        bail!("the draft length must be at least 1 token (without drafts, use generate_fused)");
+    }
+    let vocab = target.vocab_size();
+    let mut stats = SpeculativeStats::default();
+    let mut out = Vec::with_capacity(max_new);
+    if max_new == 0 {
+        return Ok((out, stats));
+    }
+    let (mut seq, mut draft_seq) = (target.new_sequence(), draft.new_sequence());
+    // `next`: the newest token, given out but in neither cache yet; `pending`: the tokens the
+    // draft's cache lacks, `next` last.
+    let mut next = argmax(&target.prefill(&mut seq, prompt)?);
+    // A draft with a shorter context than the target's stops proposing once it is full.
+    if prompt.len() <= draft.max_seq_len() {
+        draft.prefill(&mut draft_seq, prompt)?;
+    }
+    let mut pending = vec![next];
+    loop {
+        on_token(next)?;
+        out.push(next);
+        if out.len() == max_new || seq.len() >= target.max_seq_len() {
+            return Ok((out, stats));
+        }
+        // Drafts beyond what may still be given out, or past either context, would be wasted.
+        let room = (max_new - out.len()).min(target.max_seq_len() - seq.len()) - 1;
+        // The draft caches `pending` and all its drafts but the last.
+        let draft_needs = draft_seq.len() + pending.len();
+        let k = if !draft_seq.is_empty() && draft_needs <= draft.max_seq_len() {
+            draft_len.min(room).min(draft.max_seq_len() - draft_needs + 1)
+        } else {
+            0
+        };
+        let mut drafts = Vec::with_capacity(k);
+        if k > 0 {
+            let logits = draft.extend(&mut draft_seq, &pending)?;
+            drafts.push(argmax(&logits[logits.len() - vocab..]));
+            while drafts.len() < k {
+                let logits = draft.step(&mut [&mut draft_seq], &drafts[drafts.len() - 1..])?;
+                drafts.push(argmax(&logits));
+            }
+        }
+        // The target's logits after `next` and after each draft.
+        let start = seq.len();
+        let mut rows = Vec::with_capacity(k + 1);
+        rows.push(next);
+        rows.extend_from_slice(&drafts);
+        let logits = target.extend(&mut seq, &rows)?;
+        let picks: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        // Drafts up to the first the target would not have picked.
+        let kept = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
+        stats.rounds += 1;
+        stats.drafted += k;
+        stats.accepted += kept;
+        for &d in &drafts[..kept] {
+            on_token(d)?;
+            out.push(d);
+        }
+        // The target keeps `next` and the kept drafts; its own pick after them comes next.
+        seq.truncate(start + 1 + kept);
+        next = picks[kept];
+        if k > 0 {
+            // The draft cached `pending` and its drafts but the last: it keeps what was kept.
+            let cached = draft_seq.len() - (pending.len() + k - 1);
+            draft_seq.truncate(cached + pending.len() + kept.min(k - 1));
+            pending = if kept == k { vec![drafts[k - 1], next] } else { vec![next] };
+        } else {
+            // No draft this pass (the draft's context is full, or this is the last token).
+            pending.push(next);
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
-use difftx_core::generate::{generate_fused, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::generate::{generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::RunOptions;
 use difftx_core::model::{init_weights, Model};
 use difftx_core::ops::{Kernels, Precision};
@@ -367,4 +367,92 @@ fn check_int8(name: &str, cfg: &ModelConfig) {
         assert!(err <= 1e-4 * scale, "{name}: decoder vs the rounded model: {err} (scale {scale})");
         assert!(max_abs(&la, &lc) > 0.0, "{name}: rounding changed nothing: are the weights rounded at all?");
     }
+}
+
+#[test]
+fn extend_returns_what_single_steps_return_and_truncate_rewinds() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 13);
+        let dec = Decoder::new(&m).unwrap();
+        // Rows of one pass that cross from the cache's first chunk into its second.
+        let (prompt, more) = (tokens(60, cfg.vocab_size, 9), tokens(7, cfg.vocab_size, 10));
+        let mut stepped = dec.new_sequence();
+        dec.prefill(&mut stepped, &prompt).unwrap();
+        let single: Vec<f32> = more.iter().flat_map(|&t| dec.step(&mut [&mut stepped], &[t]).unwrap()).collect();
+        let mut seq = dec.new_sequence();
+        dec.prefill(&mut seq, &prompt).unwrap();
+        let rows = dec.extend(&mut seq, &more).unwrap();
+        assert_eq!(seq.len(), stepped.len(), "{name}");
+        assert!(max_abs(&rows, &single) < 1e-5, "{name}: extend against steps");
+        // Back to 62 positions, then other tokens: as if the last five had never been there.
+        seq.truncate(62);
+        assert_eq!(seq.len(), 62, "{name}");
+        let other = tokens(4, cfg.vocab_size, 11);
+        let after = dec.extend(&mut seq, &other).unwrap();
+        let mut fresh = dec.new_sequence();
+        dec.prefill(&mut fresh, &[&prompt[..], &more[..2]].concat()).unwrap();
+        let expected = dec.extend(&mut fresh, &other).unwrap();
+        assert!(max_abs(&after, &expected) < 1e-5, "{name}: after truncate");
+        // Truncating past the end changes nothing; extending past the context is an error.
+        seq.truncate(1000);
+        assert_eq!(seq.len(), 66, "{name}");
+        let err = dec.extend(&mut seq, &tokens(cfg.max_seq_len, cfg.vocab_size, 1)).unwrap_err().to_string();
+        assert!(err.contains("context"), "{name}: {err}");
+    }
+}
+
+#[test]
+fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 3);
+        let target = Decoder::new(&m).unwrap();
+        // The same model with bf16 weights and cache (mostly right), another model (mostly
+        // wrong), the target itself (always right), a draft whose context is shorter.
+        let mut bf16 = Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap();
+        bf16.set_kv_precision(KvPrecision::Bf16);
+        let other = Decoder::new(&model(&cfg, 4)).unwrap();
+        let same = Decoder::new(&m).unwrap();
+        let mut short_cfg = cfg.clone();
+        short_cfg.max_seq_len = 20;
+        let short = Decoder::new(&model(&short_cfg, 3)).unwrap();
+        let prompt = tokens(4, cfg.vocab_size, 8);
+        let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
+        for max_new in [cfg.max_seq_len, 7, 1] {
+            let plain = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
+            for (draft_name, draft) in [("bf16", &bf16), ("other", &other), ("same", &same), ("short", &short)] {
+                for draft_len in [1, 3, 5] {
+                    let case = format!("{name}, {draft_name} draft, {draft_len} drafts, {max_new} new");
+                    let mut streamed = Vec::new();
+                    let (out, stats) = generate_speculative(&target, draft, &prompt, max_new, draft_len, |t| {
+                        streamed.push(t);
+                        Ok(())
+                    })
+                    .unwrap();
+                    assert_eq!(out, plain, "{case}");
+                    assert_eq!(streamed, plain, "{case}: tokens as they come");
+                    assert!(stats.accepted <= stats.drafted, "{case}: {stats:?}");
+                    if draft_name == "same" {
+                        assert_eq!(stats.accepted, stats.drafted, "{case}: the target's own drafts");
+                    }
+                    if max_new == cfg.max_seq_len && draft_name != "short" {
+                        // A pass yields its kept drafts and one token more.
+                        assert_eq!(stats.rounds + stats.accepted, plain.len() - 1, "{case}: {stats:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn speculative_decoding_refuses_a_draft_it_cannot_use() {
+    let (_, cfg) = configs().remove(0);
+    let target = Decoder::new(&model(&cfg, 1)).unwrap();
+    let mut small = cfg.clone();
+    small.vocab_size = 60;
+    let draft = Decoder::new(&model(&small, 1)).unwrap();
+    let err = generate_speculative(&target, &draft, &[1, 2], 5, 3, |_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("vocabulary"), "{err}");
+    let err = generate_speculative(&target, &target, &[1, 2], 5, 0, |_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("at least 1"), "{err}");
 }

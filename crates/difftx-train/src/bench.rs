@@ -43,7 +43,7 @@
 use crate::optim::{grad_norm, AdamW, AdamWParams};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use difftx_core::generate::{generate_with_forward, Sampler, SamplingParams};
+use difftx_core::generate::{generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::profile::{attention_time, Pass};
 use difftx_core::{Decoder, KvPrecision, SequenceCache, WeightPrecision};
@@ -402,6 +402,73 @@ fn decode_median(
         .collect())
 }
 
+/// Tokens the bf16 draft proposes per pass of speculative decoding in `difftx bench`: the fastest
+/// of 2, 3, 4, 6 and 8 on bench-s (docs/design.md §7.27).
+pub const SPECULATIVE_DRAFT: usize = 6;
+
+/// Speculative decoding at batch 1, greedy, prompt included: the f32 decoder checking the drafts
+/// of a bf16 copy (bf16 weights and cache), each run alternated with plain f32 decoding of the
+/// same prompt (`generate_fused`; the order flips every run), after one untimed run of both.
+/// Fails unless both give the same tokens. Per model: the speculative median, the alternated
+/// plain median, their ratio and the share of drafts kept.
+fn bench_speculative(models: &[Model], prompts: &[Vec<u32>], n: usize) -> Result<Vec<Value>> {
+    let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
+    let median = |secs: &[f64]| {
+        let mut sorted = secs.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        sorted[sorted.len() / 2]
+    };
+    let mut report = Vec::with_capacity(models.len());
+    for (model, prompt) in models.iter().zip(prompts) {
+        let target = Decoder::new(model)?;
+        let mut draft = Decoder::with_precision(model, WeightPrecision::Bf16)?;
+        draft.set_kv_precision(KvPrecision::Bf16);
+        let (mut plain_secs, mut spec_secs) = (Vec::new(), Vec::new());
+        let mut stats = Default::default();
+        for run in 0..=DECODE_RUNS {
+            let plain = |secs: &mut Vec<f64>| -> Result<Vec<u32>> {
+                let t0 = Instant::now();
+                let out = generate_fused(&target, prompt, n, &mut greedy()?, |_| Ok(()))?;
+                secs.push(t0.elapsed().as_secs_f64());
+                Ok(out)
+            };
+            let mut speculative = |secs: &mut Vec<f64>| -> Result<Vec<u32>> {
+                let t0 = Instant::now();
+                let (out, s) = generate_speculative(&target, &draft, prompt, n, SPECULATIVE_DRAFT, |_| Ok(()))?;
+                secs.push(t0.elapsed().as_secs_f64());
+                stats = s;
+                Ok(out)
+            };
+            let (a, b) = if run % 2 == 0 {
+                let a = plain(&mut plain_secs)?;
+                (a, speculative(&mut spec_secs)?)
+            } else {
+                let b = speculative(&mut spec_secs)?;
+                (plain(&mut plain_secs)?, b)
+            };
+            if a != b {
+                bail!("speculative decoding chose other tokens than plain greedy decoding");
+            }
+            if run == 0 {
+                // The untimed warm-up run.
+                plain_secs.clear();
+                spec_secs.clear();
+            }
+        }
+        let per_sec = |secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
+        let (plain, spec) = (median(&plain_secs), median(&spec_secs));
+        report.push(json!({
+            "tokens_per_sec": per_sec(spec),
+            "tokens_per_sec_plain_alternated": per_sec(plain),
+            "over_plain": (plain / spec * 1000.0).round() / 1000.0,
+            "tokens_per_sec_runs": spec_secs.iter().map(|&s| per_sec(s)).collect::<Vec<_>>(),
+            "draft_len": SPECULATIVE_DRAFT,
+            "acceptance": (stats.acceptance() * 1000.0).round() / 1000.0,
+        }));
+    }
+    Ok(report)
+}
+
 /// Greedy decoding with every decoder side by side, [`DECODE_BLOCK`] steps of each in turn (as
 /// training is timed one step of each), so that a shared host's swings fall on all of them alike.
 /// Each decoder prefills `seqs` sequences with its prompt, then steps them together until each
@@ -492,6 +559,7 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             }
         }
     }
+    let speculative = bench_speculative(&models, &prompts, n)?;
     let mut report = Map::new();
     for (i, &family) in opts.families.iter().enumerate() {
         let DecodeRuns { tokens: out, median_secs: secs, secs: runs } = &f32_runs[i];
@@ -514,9 +582,10 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             "tokens_per_sec_by_weight_precision": reduced[i],
             "batched_tokens_per_sec": batched[i],
             "batched_tokens_per_sec_bf16_weights_and_kv_cache": batched_bf16[i],
+            "speculative": speculative[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
-            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache"),
+            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache; speculative: batch 1, the f32 decoder checking {SPECULATIVE_DRAFT} drafts per pass of a bf16 copy (bf16 weights and cache), the same greedy tokens as f32, prompt included, each run alternated with plain f32 decoding (tokens_per_sec_plain_alternated; over_plain: the ratio of the medians), acceptance: the share of drafts kept"),
         });
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);

@@ -21,6 +21,12 @@ fn quick_bench_reports_every_part() {
         runs.sort_by(f64::total_cmp);
         assert_eq!(runs.len(), 5, "{f}");
         assert_eq!(runs[2], tps, "{f}: {runs:?}");
+        // Speculative decoding ran (it fails the bench if its tokens are not plain decoding's).
+        let spec = &r["decode"][f]["speculative"];
+        let acceptance = spec["acceptance"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acceptance), "{f}: {spec}");
+        assert!(spec["tokens_per_sec"].as_f64().unwrap() > 0.0, "{f}: {spec}");
+        assert_eq!(spec["tokens_per_sec_runs"].as_array().unwrap().len(), 5, "{f}: {spec}");
         // The fused kernels' attention time is a part of the step, forward and backward.
         let share = r["train"][f]["attention_kernels_share_of_step"].as_f64().unwrap();
         assert!(share > 0.0 && share < 1.0, "{f}: attention share {share}");

@@ -142,6 +142,12 @@ impl SequenceCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
+
+    /// Forgets every position from `len` on (a speculative draft's rejected tokens), keeping the
+    /// allocations, as `clear` does; a `len` at or past the end changes nothing.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
 }
 
 /// One layer's cache of one sequence, as `attend` reads it.
@@ -352,6 +358,11 @@ impl Decoder {
         self.parallel_attention_macs = macs;
     }
 
+    /// Number of tokens the logits score.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
     /// The model's context length: a sequence holds at most this many positions.
     pub fn max_seq_len(&self) -> usize {
         self.max_seq_len
@@ -440,6 +451,27 @@ impl Decoder {
             let rows: Vec<(usize, u32)> = chunk.iter().map(|&t| (0, t)).collect();
             let last = if c + 1 == chunks.len() { vec![chunk.len() - 1] } else { Vec::new() };
             logits = self.forward_rows(&mut [&mut *seq], &rows, &last)?;
+        }
+        Ok(logits)
+    }
+
+    /// Appends `tokens` to `seq` at its next positions, as rows of one pass (in chunks of
+    /// `PREFILL_CHUNK`), and returns the next-token logits after each of them, row-major
+    /// [tokens.len(), vocab]: what `step` would return token by token, in one read of the weights
+    /// per chunk (speculative decoding checks a draft's tokens so).
+    pub fn extend(&self, seq: &mut SequenceCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        ensure!(
+            seq.len + tokens.len() <= self.max_seq_len,
+            "{} cached and {} new positions are more than the model's context of {} tokens",
+            seq.len,
+            tokens.len(),
+            self.max_seq_len
+        );
+        let mut logits = Vec::with_capacity(tokens.len() * self.vocab);
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let rows: Vec<(usize, u32)> = chunk.iter().map(|&t| (0, t)).collect();
+            let all: Vec<usize> = (0..rows.len()).collect();
+            logits.extend(self.forward_rows(&mut [&mut *seq], &rows, &all)?);
         }
         Ok(logits)
     }
