@@ -622,6 +622,12 @@ mod pairs_native {
         pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe { by_rows!(at, y, rows_dp) })
     }
 
+    /// How far ahead (in pairs of inputs, 256 bytes each) [`rows_dp`] asks for the panel: with
+    /// the hardware prefetcher alone a row streamed bf16 weights at ~40 GB/s where f32's
+    /// four-block panels reach ~47 on the Xeon model 207; 16 ahead measured 4–11% faster there
+    /// (docs/design.md §7.27; not measured on AMD).
+    const PREFETCH_PAIRS: usize = 16;
+
     /// Rows r0..r0 + R over one chunk, the 64 columns' sums of each row in four registers.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
@@ -642,6 +648,14 @@ mod pairs_native {
                 }
             }
             for p in chunk {
+                if r0 == 0 {
+                    // The four lines of the pair PREFETCH_PAIRS ahead (past the chunk too), which
+                    // the first group of rows asks for.
+                    for g in 0..4 {
+                        let ahead = panel.as_ptr().wrapping_add((p + PREFETCH_PAIRS) * C + 16 * g);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                    }
+                }
                 let w: [__m512bh; 4] = std::array::from_fn(|g| {
                     std::mem::transmute(_mm512_loadu_si512(panel.as_ptr().add(p * C + 16 * g) as *const __m512i))
                 });
