@@ -284,9 +284,30 @@ pub fn bf16_outpaces_f32(backend: Option<Bf16Backend>, intel: bool, forced: bool
     }
 }
 
-/// `DIFFTX_BF16_BACKEND=avx512_bf16`.
+/// `DIFFTX_BF16_BACKEND=avx512_bf16`. Any other value is ignored, with a warning on stderr the
+/// first time it is read (a typo would otherwise pass unseen).
 fn avx512bf16_forced() -> bool {
-    std::env::var("DIFFTX_BF16_BACKEND").is_ok_and(|v| v == "avx512_bf16")
+    static FORCED: OnceLock<bool> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let value = std::env::var("DIFFTX_BF16_BACKEND").ok();
+        forced_by(value.as_deref()).unwrap_or_else(|warning| {
+            eprintln!("{warning}");
+            false
+        })
+    })
+}
+
+/// Whether a `DIFFTX_BF16_BACKEND` value (`None`: unset) forces the AVX512_BF16 kernel, or the
+/// warning for a value that names nothing.
+fn forced_by(value: Option<&str>) -> std::result::Result<bool, String> {
+    match value {
+        None | Some("") => Ok(false),
+        Some("avx512_bf16") => Ok(true),
+        Some(other) => Err(format!(
+            "warning: DIFFTX_BF16_BACKEND={other:?} is ignored: the one value it takes is avx512_bf16 \
+             (AMX, where present, is the default)"
+        )),
+    }
 }
 
 /// Whether CPUID's vendor string is "GenuineIntel".
@@ -1242,6 +1263,17 @@ mod tests {
             (Some(Avx512Bf16), true, true, true),
         ] {
             assert_eq!(bf16_outpaces_f32(backend, intel, forced), want, "{backend:?} intel {intel} forced {forced}");
+        }
+    }
+
+    #[test]
+    fn only_avx512_bf16_forces_the_kernel_and_other_values_warn() {
+        assert_eq!(forced_by(None), Ok(false));
+        assert_eq!(forced_by(Some("")), Ok(false));
+        assert_eq!(forced_by(Some("avx512_bf16")), Ok(true));
+        for typo in ["amx", "AVX512_BF16", "avx512bf16"] {
+            let warning = forced_by(Some(typo)).unwrap_err();
+            assert!(warning.contains(typo) && warning.contains("avx512_bf16"), "{warning}");
         }
     }
 
