@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
-use difftx_core::generate::{generate, generate_fused, generate_speculative, Sampler, SamplingParams};
+use difftx_core::generate::{bf16_draft, generate, generate_fused, generate_speculative, Sampler, SamplingParams};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Decoder, Family, Kernels, KvPrecision, ModelConfig, Precision, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
@@ -618,23 +618,22 @@ fn stream_generate(
         out.flush()?;
         Ok(())
     };
-    if let Some(draft_len) = speculative {
+    if fused || speculative.is_some() {
         let mut decoder = Decoder::with_precision(model, precision)?;
         decoder.set_kv_precision(kv_cache);
-        let mut draft = Decoder::with_precision(model, WeightPrecision::Bf16)?;
-        draft.set_kv_precision(KvPrecision::Bf16);
-        let (_, stats) = generate_speculative(&decoder, &draft, &ids, n, draft_len as usize, on_token)?;
-        eprintln!(
-            "\nspeculative decoding: {} of {} drafted tokens kept ({:.1}%) in {} passes",
-            stats.accepted,
-            stats.drafted,
-            100.0 * stats.acceptance(),
-            stats.rounds
-        );
-    } else if fused {
-        let mut decoder = Decoder::with_precision(model, precision)?;
-        decoder.set_kv_precision(kv_cache);
-        generate_fused(&decoder, &ids, n, &mut sampler, on_token)?;
+        if let Some(draft_len) = speculative {
+            let draft = bf16_draft(model)?;
+            let (_, stats) = generate_speculative(&decoder, &draft, &ids, n, draft_len as usize, on_token)?;
+            eprintln!(
+                "\nspeculative decoding: {} of {} drafted tokens kept ({:.1}%) in {} passes",
+                stats.accepted,
+                stats.drafted,
+                100.0 * stats.acceptance(),
+                stats.rounds
+            );
+        } else {
+            generate_fused(&decoder, &ids, n, &mut sampler, on_token)?;
+        }
     } else {
         generate(model, &ids, n, &mut sampler, on_token)?;
     }

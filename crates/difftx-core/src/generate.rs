@@ -1,9 +1,11 @@
-//! Autoregressive generation with a KV cache: greedy, temperature, top-k and top-p sampling.
+//! Autoregressive generation with a KV cache: greedy, temperature, top-k and top-p sampling, and
+//! greedy speculative decoding.
 
 use crate::model::decode::Decoder;
 use crate::model::{last_logits, KvCache, Model};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
+use difftx_kernels::decode::{KvPrecision, WeightPrecision};
 use rand::{Rng, SeedableRng};
 
 #[derive(Debug, Clone)]
@@ -161,6 +163,15 @@ impl SpeculativeStats {
     pub fn acceptance(&self) -> f64 {
         self.accepted as f64 / self.drafted.max(1) as f64
     }
+}
+
+/// The draft `generate --speculative` and `difftx bench` use: the same model with bf16 weights
+/// and a bf16 KV cache (about half the bytes a step reads; its greedy picks rarely differ from
+/// f32's, docs/design.md §7.27).
+pub fn bf16_draft(model: &Model) -> Result<Decoder> {
+    let mut draft = Decoder::with_precision(model, WeightPrecision::Bf16)?;
+    draft.set_kv_precision(KvPrecision::Bf16);
+    Ok(draft)
 }
 
 /// Greedy generation by speculative decoding: `draft` (a cheaper decoder of the same vocabulary,

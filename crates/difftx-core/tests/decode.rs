@@ -4,7 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
-use difftx_core::generate::{generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::generate::{
+    bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams,
+};
 use difftx_core::model::RunOptions;
 use difftx_core::model::{init_weights, Model};
 use difftx_core::ops::{Kernels, Precision};
@@ -408,8 +410,7 @@ fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
         let target = Decoder::new(&m).unwrap();
         // The same model with bf16 weights and cache (mostly right), another model (mostly
         // wrong), the target itself (always right), a draft whose context is shorter.
-        let mut bf16 = Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap();
-        bf16.set_kv_precision(KvPrecision::Bf16);
+        let bf16 = bf16_draft(&m).unwrap();
         let other = Decoder::new(&model(&cfg, 4)).unwrap();
         let same = Decoder::new(&m).unwrap();
         let mut short_cfg = cfg.clone();

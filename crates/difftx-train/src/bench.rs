@@ -43,7 +43,9 @@
 use crate::optim::{grad_norm, AdamW, AdamWParams};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use difftx_core::generate::{generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams};
+use difftx_core::generate::{
+    bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams,
+};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::profile::{attention_time, Pass};
 use difftx_core::{Decoder, KvPrecision, SequenceCache, WeightPrecision};
@@ -295,8 +297,6 @@ impl TrainBench {
     fn report(&self, opts: &BenchOptions) -> Value {
         let (b, t, steps) = (opts.batch_size, opts.seq_len, self.step_secs.len());
         let total: f64 = self.step_secs.iter().sum();
-        let mut sorted = self.step_secs.clone();
-        sorted.sort_by(f64::total_cmp);
         let n = steps.max(1) as f64;
         let ms = |s: f64| (s / n * 1e4).round() / 10.0;
         let ph = &self.phases;
@@ -318,7 +318,7 @@ impl TrainBench {
             "attention_kernels_ms_mean": attention.map(|_| json!({"forward": ms(self.attention_secs[0]), "backward": ms(self.attention_secs[1])})),
             "attention_kernels_share_of_step": attention.map(|a| (a / total * 1000.0).round() / 1000.0),
             "step_ms_mean": ms(total),
-            "step_ms_median": (sorted[sorted.len() / 2] * 1e4).round() / 10.0,
+            "step_ms_median": (median(&self.step_secs) * 1e4).round() / 10.0,
             "phase_ms_mean": {"forward_loss": ms(ph.forward), "backward": ms(ph.backward), "clip": ms(ph.clip), "adamw": ms(ph.adamw)},
             "steps": steps, "warmup_steps": opts.warmup_steps, "batch": b, "seq": t,
             "kernels": format!("{:?}", self.kernels).to_lowercase(), "precision": self.precision.describe(),
@@ -392,14 +392,19 @@ fn decode_median(
             }
         }
     }
-    Ok(runs
-        .into_iter()
-        .map(|(tokens, secs)| {
-            let mut sorted = secs.clone();
-            sorted.sort_by(f64::total_cmp);
-            DecodeRuns { tokens, median_secs: sorted[sorted.len() / 2], secs }
-        })
-        .collect())
+    Ok(runs.into_iter().map(|(tokens, secs)| DecodeRuns { tokens, median_secs: median(&secs), secs }).collect())
+}
+
+/// The middle of `values` (the upper one of an even count); `values` must not be empty.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// `n` tokens in `secs` seconds, as tokens/s to one decimal.
+fn per_sec(n: usize, secs: f64) -> f64 {
+    (n as f64 / secs * 10.0).round() / 10.0
 }
 
 /// Tokens the bf16 draft proposes per pass of speculative decoding in `difftx bench`: the fastest
@@ -413,16 +418,9 @@ pub const SPECULATIVE_DRAFT: usize = 6;
 /// plain median, their ratio and the share of drafts kept.
 fn bench_speculative(models: &[Model], prompts: &[Vec<u32>], n: usize) -> Result<Vec<Value>> {
     let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() });
-    let median = |secs: &[f64]| {
-        let mut sorted = secs.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
-    };
     let mut report = Vec::with_capacity(models.len());
     for (model, prompt) in models.iter().zip(prompts) {
-        let target = Decoder::new(model)?;
-        let mut draft = Decoder::with_precision(model, WeightPrecision::Bf16)?;
-        draft.set_kv_precision(KvPrecision::Bf16);
+        let (target, draft) = (Decoder::new(model)?, bf16_draft(model)?);
         let (mut plain_secs, mut spec_secs) = (Vec::new(), Vec::new());
         let mut stats = Default::default();
         for run in 0..=DECODE_RUNS {
@@ -455,13 +453,12 @@ fn bench_speculative(models: &[Model], prompts: &[Vec<u32>], n: usize) -> Result
                 spec_secs.clear();
             }
         }
-        let per_sec = |secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
         let (plain, spec) = (median(&plain_secs), median(&spec_secs));
         report.push(json!({
-            "tokens_per_sec": per_sec(spec),
-            "tokens_per_sec_plain_alternated": per_sec(plain),
+            "tokens_per_sec": per_sec(n, spec),
+            "tokens_per_sec_plain_alternated": per_sec(n, plain),
             "over_plain": (plain / spec * 1000.0).round() / 1000.0,
-            "tokens_per_sec_runs": spec_secs.iter().map(|&s| per_sec(s)).collect::<Vec<_>>(),
+            "tokens_per_sec_runs": spec_secs.iter().map(|&s| per_sec(n, s)).collect::<Vec<_>>(),
             "draft_len": SPECULATIVE_DRAFT,
             "acceptance": (stats.acceptance() * 1000.0).round() / 1000.0,
         }));
@@ -529,7 +526,6 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
         models.push(model);
     }
     let n = opts.decode_tokens;
-    let per_sec = |n: usize, secs: f64| (n as f64 / secs * 10.0).round() / 10.0;
     let timed = |precision: WeightPrecision| -> Result<Vec<DecodeRuns>> {
         let decoders = models.iter().map(|m| Decoder::with_precision(m, precision)).collect::<Result<Vec<_>, _>>()?;
         decode_interleaved(&decoders, &prompts, 1, 4.min(n), true)?; // warms the allocator and caches
