@@ -282,6 +282,14 @@ struct ServeArgs {
     /// Requests decoded together at most; more wait in the queue.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// Speculative decoding for a greedy request (temperature 0) while it runs alone: a copy of
+    /// the model with bf16 weights and a bf16 cache drafts up to this many tokens at a time and
+    /// the model checks them in one pass. The text is the same as without; a lone request is
+    /// faster where reading the weights bounds a step (f32 weights: docs/design.md §7.27), at
+    /// the cost of the copy's memory (half the f32 weights) and its cache per greedy request.
+    /// Needs --weights f32, bf16 or int8.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    speculative: Option<u64>,
     /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -673,6 +681,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         weights: a.weights,
         kv_cache: a.kv_cache,
         max_batch: a.max_batch,
+        speculative: a.speculative.map(|k| k as usize),
         max_queue: a.max_queue,
         max_tokens: a.max_tokens,
         api_key: a.api_key,

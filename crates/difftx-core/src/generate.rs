@@ -1,7 +1,7 @@
 //! Autoregressive generation with a KV cache: greedy, temperature, top-k and top-p sampling, and
 //! greedy speculative decoding.
 
-use crate::model::decode::Decoder;
+use crate::model::decode::{Decoder, SequenceCache};
 use crate::model::{last_logits, KvCache, Model};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -191,79 +191,146 @@ pub fn generate_speculative(
     draft_len: usize,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
-    if draft.vocab_size() != target.vocab_size() {
-        bail!("the draft's vocabulary ({} tokens) is not the target's ({})", draft.vocab_size(), target.vocab_size());
-    }
+    let mut drafter = SpeculativeDraft::new(target, draft, prompt)?;
     if draft_len == 0 {
         bail!("the draft length must be at least 1 token (without drafts, use generate_fused)");
     }
-    let vocab = target.vocab_size();
     let mut stats = SpeculativeStats::default();
     let mut out = Vec::with_capacity(max_new);
     if max_new == 0 {
         return Ok((out, stats));
     }
-    let (mut seq, mut draft_seq) = (target.new_sequence(), draft.new_sequence());
-    // `next`: the newest token, given out but in neither cache yet; `pending`: the tokens the
-    // draft's cache lacks, `next` last.
+    let mut seq = target.new_sequence();
+    // The newest token: given out, in no cache yet.
     let mut next = argmax(&target.prefill(&mut seq, prompt)?);
-    // A draft with a shorter context than the target's stops proposing once it is full.
-    if prompt.len() <= draft.max_seq_len() {
-        draft.prefill(&mut draft_seq, prompt)?;
-    }
-    let mut pending = vec![next];
     loop {
         on_token(next)?;
         out.push(next);
         if out.len() == max_new || seq.len() >= target.max_seq_len() {
             return Ok((out, stats));
         }
-        // Drafts beyond what may still be given out, or past either context, would be wasted.
-        let room = (max_new - out.len()).min(target.max_seq_len() - seq.len()) - 1;
-        // The draft caches `pending` and all its drafts but the last.
-        let draft_needs = draft_seq.len() + pending.len();
-        let k = if !draft_seq.is_empty() && draft_needs <= draft.max_seq_len() {
-            draft_len.min(room).min(draft.max_seq_len() - draft_needs + 1)
-        } else {
-            0
-        };
+        let pass = drafter.pass(target, draft, &mut seq, next, draft_len, max_new - out.len())?;
+        stats.add(&pass);
+        let (last, kept) = pass.tokens.split_last().expect("a pass gives at least the target's own token");
+        for &d in kept {
+            on_token(d)?;
+            out.push(d);
+        }
+        next = *last;
+    }
+}
+
+/// What one pass of speculative decoding gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpeculativePass {
+    /// The tokens after the pass's newest token: the drafts the target kept, then its own pick
+    /// after them (at least one token).
+    pub tokens: Vec<u32>,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl SpeculativeStats {
+    /// Counts one pass.
+    pub fn add(&mut self, pass: &SpeculativePass) {
+        self.rounds += 1;
+        self.drafted += pass.drafted;
+        self.accepted += pass.accepted;
+    }
+}
+
+/// The draft's side of one sequence decoded greedily by speculative decoding, a pass at a time
+/// (`generate_speculative`; the server, for a greedy request decoded alone): the draft decoder's
+/// cache, and the tokens of the sequence that cache has not seen yet, which it takes in one pass
+/// before drafting. The target's cache belongs to the caller.
+pub struct SpeculativeDraft {
+    cache: SequenceCache,
+    /// The sequence's tokens after those in `cache`, up to the last one in the target's cache.
+    pending: Vec<u32>,
+}
+
+impl SpeculativeDraft {
+    /// For a sequence whose tokens so far (those in the target's cache) are `history`. Nothing
+    /// runs until the first pass. An error if the two decoders' vocabularies differ.
+    pub fn new(target: &Decoder, draft: &Decoder, history: &[u32]) -> Result<Self> {
+        if draft.vocab_size() != target.vocab_size() {
+            bail!(
+                "the draft's vocabulary ({} tokens) is not the target's ({})",
+                draft.vocab_size(),
+                target.vocab_size()
+            );
+        }
+        Ok(SpeculativeDraft { cache: draft.new_sequence(), pending: history.to_vec() })
+    }
+
+    /// Records a token that entered the target's cache without a pass (a batched step).
+    pub fn push(&mut self, token: u32) {
+        self.pending.push(token);
+    }
+
+    /// One pass: the draft proposes up to `draft_len` tokens after `next` (the newest token, given
+    /// out but in neither cache) and `target` checks `next` and the drafts in one pass over `seq`,
+    /// its cache of the sequence. `wanted` (at least 1) bounds the tokens the pass may give: the
+    /// drafts stop at `wanted - 1`, at the room left in either context, and at the target's first
+    /// disagreement. `seq` then holds `next` and the kept drafts; the last token given is the next
+    /// pass's `next`.
+    pub fn pass(
+        &mut self,
+        target: &Decoder,
+        draft: &Decoder,
+        seq: &mut SequenceCache,
+        next: u32,
+        draft_len: usize,
+        wanted: usize,
+    ) -> Result<SpeculativePass> {
+        let start = seq.len();
+        if wanted == 0 || start >= target.max_seq_len() {
+            bail!(
+                "a speculative pass needs a token to give and room for it ({start} of {} positions cached)",
+                target.max_seq_len()
+            );
+        }
+        debug_assert_eq!(self.cache.len() + self.pending.len(), start, "the draft is out of step with the target");
+        let vocab = target.vocab_size();
+        // The draft caches the pending tokens, `next` and every draft but the last; a draft whose
+        // context is shorter than the target's stops proposing once it is full.
+        let k = draft_len
+            .min(wanted - 1)
+            .min(target.max_seq_len() - start - 1)
+            .min(draft.max_seq_len().saturating_sub(start));
         let mut drafts = Vec::with_capacity(k);
         if k > 0 {
-            let logits = draft.extend(&mut draft_seq, &pending)?;
-            drafts.push(argmax(&logits[logits.len() - vocab..]));
+            self.pending.push(next);
+            let logits = draft.append(&mut self.cache, &self.pending)?;
+            self.pending.clear();
+            drafts.push(argmax(&logits));
             while drafts.len() < k {
-                let logits = draft.step(&mut [&mut draft_seq], &drafts[drafts.len() - 1..])?;
+                let logits = draft.step(&mut [&mut self.cache], &drafts[drafts.len() - 1..])?;
                 drafts.push(argmax(&logits));
             }
         }
         // The target's logits after `next` and after each draft.
-        let start = seq.len();
         let mut rows = Vec::with_capacity(k + 1);
         rows.push(next);
         rows.extend_from_slice(&drafts);
-        let logits = target.extend(&mut seq, &rows)?;
+        let logits = target.extend(seq, &rows)?;
         let picks: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
         // Drafts up to the first the target would not have picked.
         let kept = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
-        stats.rounds += 1;
-        stats.drafted += k;
-        stats.accepted += kept;
-        for &d in &drafts[..kept] {
-            on_token(d)?;
-            out.push(d);
-        }
-        // The target keeps `next` and the kept drafts; its own pick after them comes next.
+        // Both caches keep `next` and the kept drafts; the target's pick after them comes next.
         seq.truncate(start + 1 + kept);
-        next = picks[kept];
         if k > 0 {
-            // The draft cached `pending` and its drafts but the last: it keeps what was kept.
-            let cached = draft_seq.len() - (pending.len() + k - 1);
-            draft_seq.truncate(cached + pending.len() + kept.min(k - 1));
-            pending = if kept == k { vec![drafts[k - 1], next] } else { vec![next] };
+            // (With every draft kept the draft's cache lacks the last one.)
+            self.cache.truncate(start + 1 + kept);
+            if kept == k {
+                self.pending.push(drafts[k - 1]);
+            }
         } else {
-            // No draft this pass (the draft's context is full, or this is the last token).
-            pending.push(next);
+            self.pending.push(next);
         }
+        let mut tokens = drafts[..kept].to_vec();
+        tokens.push(picks[kept]);
+        Ok(SpeculativePass { tokens, drafted: k, accepted: kept })
     }
 }
 

@@ -5,7 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::generate::{
-    bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams,
+    argmax, bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams,
+    SpeculativeDraft,
 };
 use difftx_core::model::RunOptions;
 use difftx_core::model::{init_weights, Model};
@@ -395,6 +396,12 @@ fn extend_returns_what_single_steps_return_and_truncate_rewinds() {
         dec.prefill(&mut fresh, &[&prompt[..], &more[..2]].concat()).unwrap();
         let expected = dec.extend(&mut fresh, &other).unwrap();
         assert!(max_abs(&after, &expected) < 1e-5, "{name}: after truncate");
+        // `append` gives the logits after the last of its tokens.
+        let mut appended = dec.new_sequence();
+        dec.prefill(&mut appended, &[&prompt[..], &more[..2]].concat()).unwrap();
+        let last = dec.append(&mut appended, &other).unwrap();
+        assert_eq!((appended.len(), last.len()), (66, cfg.vocab_size), "{name}");
+        assert!(max_abs(&last, &expected[3 * cfg.vocab_size..]) < 1e-5, "{name}: append");
         // Truncating past the end changes nothing; extending past the context is an error.
         seq.truncate(1000);
         assert_eq!(seq.len(), 66, "{name}");
@@ -442,6 +449,56 @@ fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn speculative_passes_between_batched_steps_give_the_greedy_tokens() {
+    // The server's use: a request decoded by passes while it runs alone and by single steps while
+    // it shares the batch (the draft told of each such token), its draft started mid-sequence.
+    for (name, cfg) in configs() {
+        let m = model(&cfg, 5);
+        let target = Decoder::new(&m).unwrap();
+        let draft = bf16_draft(&m).unwrap();
+        let prompt = tokens(6, cfg.vocab_size, 12);
+        let max_new = cfg.max_seq_len - prompt.len();
+        let mut greedy = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
+        let plain = generate_fused(&target, &prompt, max_new, &mut greedy, |_| Ok(())).unwrap();
+        let mut seq = target.new_sequence();
+        let mut out = vec![argmax(&target.prefill(&mut seq, &prompt).unwrap())];
+        let mut drafter: Option<SpeculativeDraft> = None;
+        let (mut round, mut passes) = (0, 0);
+        while out.len() < max_new {
+            let next = *out.last().unwrap();
+            if round % 3 == 0 {
+                let logits = target.step(&mut [&mut seq], &[next]).unwrap();
+                if let Some(d) = drafter.as_mut() {
+                    d.push(next);
+                }
+                out.push(argmax(&logits));
+            } else {
+                let history = [&prompt[..], &out[..out.len() - 1]].concat();
+                assert_eq!(history.len(), seq.len(), "{name}");
+                let d = drafter.get_or_insert_with(|| SpeculativeDraft::new(&target, &draft, &history).unwrap());
+                let pass = d.pass(&target, &draft, &mut seq, next, 3, max_new - out.len()).unwrap();
+                assert!(!pass.tokens.is_empty() && pass.tokens.len() <= 4, "{name}: {pass:?}");
+                assert_eq!(pass.tokens.len(), pass.accepted + 1, "{name}: {pass:?}");
+                out.extend(pass.tokens);
+                passes += 1;
+            }
+            round += 1;
+        }
+        assert!(passes > 3, "{name}: {passes} passes");
+        assert_eq!(out, plain, "{name}");
+        // The last position: no room for drafts, the target's token alone. A pass with no token
+        // to give, or no room for one, is refused.
+        let mut d = drafter.unwrap();
+        let err = d.pass(&target, &draft, &mut seq, 0, 3, 0).unwrap_err().to_string();
+        assert!(err.contains("room"), "{name}: {err}");
+        let pass = d.pass(&target, &draft, &mut seq, *out.last().unwrap(), 3, 5).unwrap();
+        assert_eq!((pass.drafted, pass.tokens.len(), seq.len()), (0, 1, cfg.max_seq_len), "{name}");
+        let err = d.pass(&target, &draft, &mut seq, pass.tokens[0], 3, 5).unwrap_err().to_string();
+        assert!(err.contains("room"), "{name}: {err}");
     }
 }
 

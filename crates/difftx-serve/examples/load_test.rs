@@ -50,6 +50,13 @@ struct Args {
     /// KV cache of the fused decoder: f32 or bf16.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
+    /// Sampling temperature of every request (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Speculative decoding of a greedy request running alone, drafts per pass (as `difftx
+    /// serve --speculative`; only with --temperature 0 does it apply).
+    #[arg(long)]
+    speculative: Option<usize>,
     /// Seconds after which no new request is sent (the running ones finish).
     #[arg(long, default_value_t = 300.0)]
     time_limit: f64,
@@ -122,6 +129,7 @@ async fn main() -> anyhow::Result<()> {
         max_queue,
         weights: args.weights,
         kv_cache: args.kv_cache,
+        speculative: args.speculative,
         ..ServeOptions::default()
     };
     let server = Server::start(&dir, opts).await?;
@@ -139,7 +147,7 @@ async fn main() -> anyhow::Result<()> {
         let workers: Vec<_> = (0..clients)
             .map(|_| {
                 let (http, url, next, prompt) = (http.clone(), url.clone(), next.clone(), prompt.clone());
-                let max_tokens = args.max_tokens;
+                let (max_tokens, temperature) = (args.max_tokens, args.temperature);
                 tokio::spawn(async move {
                     let mut outcomes = Vec::new();
                     loop {
@@ -147,7 +155,7 @@ async fn main() -> anyhow::Result<()> {
                         if i >= total || Instant::now() > deadline {
                             return outcomes;
                         }
-                        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
+                        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                                           "seed": i, "stream": true, "stream_options": {"include_usage": true}});
                         outcomes.push(one_request(&http, &url, &body).await);
                     }
@@ -191,6 +199,8 @@ async fn main() -> anyhow::Result<()> {
         "max_batch": args.max_batch,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "speculative": args.speculative,
         "cpu": cpu,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "rounds": rounds,

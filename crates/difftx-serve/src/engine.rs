@@ -8,10 +8,14 @@
 //! soon as it finishes (stop string, end-of-sequence token, `max_tokens`, the context is full) or
 //! its client stops listening (the receiving end of its event channel is dropped), and its slot
 //! goes to the next request in the queue at the next step.
+//!
+//! With `EngineOptions::speculative`, a greedy request that runs alone is decoded by speculative
+//! passes instead of single steps: a bf16 copy of the model drafts tokens and one pass of the
+//! model checks them (`difftx_core::generate::SpeculativeDraft`); the text is the same.
 
 use crate::metrics::Metrics;
 use anyhow::{Context, Result};
-use difftx_core::generate::{Sampler, SamplingParams};
+use difftx_core::generate::{bf16_draft, Sampler, SamplingParams, SpeculativeDraft};
 use difftx_core::model::last_logits;
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Decoder, KvCache, KvPrecision, Model, SequenceCache, WeightPrecision};
@@ -119,6 +123,9 @@ pub struct EngineOptions {
     pub max_queue: usize,
     /// Token that ends generation (a Hugging Face model's `eos_token_id`), if any.
     pub eos_token: Option<u32>,
+    /// Drafts per pass of speculative decoding for a greedy request that runs alone (a bf16 copy
+    /// of the model drafts them; `ServeWeights::Fused` only); `None`: single steps always.
+    pub speculative: Option<usize>,
 }
 
 impl Engine {
@@ -136,6 +143,15 @@ impl Engine {
                  use --weights f32, bf16 or int8, or --kv-cache f32",
                 format!("{format:?}").to_lowercase()
             );
+        }
+        match (opts.speculative, opts.weights) {
+            (Some(0), _) => anyhow::bail!("--speculative must be at least 1 draft per pass"),
+            (Some(_), ServeWeights::Quantized(format)) => anyhow::bail!(
+                "--speculative runs the fused decoder, which {} weights do not run through: use --weights f32, \
+                 bf16 or int8",
+                format!("{format:?}").to_lowercase()
+            ),
+            _ => {}
         }
         // (The fused decoder checks that it can run the model itself, on the engine thread.)
         if let ServeWeights::Quantized(format) = opts.weights {
@@ -287,6 +303,9 @@ struct Running<'t> {
     text: TextStream<'t>,
     /// The token to feed at the next step (the last one sampled).
     next: u32,
+    /// The speculative draft's side of a greedy request (`EngineOptions::speculative`): passes
+    /// run while the request is alone, and each token it is fed in a batched step is passed on.
+    drafter: Option<SpeculativeDraft>,
     generated: usize,
     max_tokens: usize,
     prompt_tokens: usize,
@@ -296,18 +315,27 @@ struct Running<'t> {
 
 impl Worker {
     fn run(self, model: &Model, ready: std::sync::mpsc::Sender<Result<(), String>>) {
-        let backend = match self.opts.weights {
-            ServeWeights::Fused(precision) => match Decoder::with_precision(model, precision) {
-                Ok(mut d) => {
+        let decoders = || -> Result<(Backend, Option<Decoder>)> {
+            Ok(match self.opts.weights {
+                ServeWeights::Fused(precision) => {
+                    let mut d = Decoder::with_precision(model, precision)?;
                     d.set_kv_precision(self.opts.kv_cache);
-                    Backend::Fused(Box::new(d))
+                    let draft = self.opts.speculative.map(|_| bf16_draft(model)).transpose()?;
+                    (Backend::Fused(Box::new(d)), draft)
                 }
-                Err(e) => {
-                    let _ = ready.send(Err(format!("{e:#}")));
-                    return;
-                }
-            },
-            ServeWeights::Quantized(_) => Backend::Forward(model),
+                ServeWeights::Quantized(_) => (Backend::Forward(model), None),
+            })
+        };
+        let (backend, draft) = match decoders() {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = ready.send(Err(format!("{e:#}")));
+                return;
+            }
+        };
+        let speculation = match (&backend, &draft, self.opts.speculative) {
+            (Backend::Fused(target), Some(draft), Some(draft_len)) => Some((&**target, draft, draft_len)),
+            _ => None,
         };
         let _ = ready.send(Ok(()));
         let context = model.config().max_seq_len;
@@ -348,7 +376,7 @@ impl Worker {
                 if job.events.is_closed() {
                     continue;
                 }
-                if let Some(r) = self.join(&backend, job, context) {
+                if let Some(r) = self.join(&backend, speculation.map(|(t, d, _)| (t, d)), job, context) {
                     running.push(r);
                 }
             }
@@ -357,6 +385,15 @@ impl Worker {
                 continue;
             }
             self.metrics.batch_size.observe(running.len() as f64);
+            if let (Some((target, draft, draft_len)), [r]) = (speculation, &mut running[..]) {
+                if r.drafter.is_some() {
+                    if self.speculative_pass(r, target, draft, draft_len, context) {
+                        running.clear();
+                    }
+                    self.metrics.running.set(running.len() as i64);
+                    continue;
+                }
+            }
             let tokens: Vec<u32> = running.iter().map(|r| r.next).collect();
             let logits = {
                 let mut caches: Vec<&mut Cache> = running.iter_mut().map(|r| &mut r.cache).collect();
@@ -377,16 +414,61 @@ impl Worker {
             let vocab = logits.len() / running.len();
             let mut row = 0;
             running.retain_mut(|r| {
+                if let Some(d) = &mut r.drafter {
+                    d.push(r.next);
+                }
                 let next = r.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
                 row += 1;
-                !self.take_token(r, next, context)
+                let cached = r.cache.len();
+                !self.take_token(r, next, cached, context)
             });
             self.metrics.running.set(running.len() as i64);
         }
     }
 
+    /// One speculative pass of a request running alone: its drafts and the model's check, then
+    /// the tokens the pass gave, in order, up to the one that finishes it. Returns whether it is
+    /// finished (or failed).
+    fn speculative_pass(
+        &self,
+        r: &mut Running,
+        target: &Decoder,
+        draft: &Decoder,
+        draft_len: usize,
+        context: usize,
+    ) -> bool {
+        let (Cache::Fused(seq), Some(drafter)) = (&mut r.cache, &mut r.drafter) else {
+            unreachable!("a speculative request has a fused cache and a draft")
+        };
+        let start = seq.len();
+        let wanted = r.max_tokens - r.generated;
+        let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            drafter.pass(target, draft, seq, r.next, draft_len, wanted)
+        }))
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("internal error: the speculative pass panicked")));
+        let pass = match pass {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = r.events.send(Event::Failed(format!("model error: {e:#}")));
+                return true;
+            }
+        };
+        self.metrics.speculative_drafted_tokens.inc_by(pass.drafted as u64);
+        self.metrics.speculative_accepted_tokens.inc_by(pass.accepted as u64);
+        // Token i of the pass follows `next` and the i drafts before it: single steps would have
+        // cached `start + 1 + i` positions when giving it out.
+        pass.tokens.iter().enumerate().any(|(i, &t)| self.take_token(r, t, start + 1 + i, context))
+    }
+
     /// Runs a new request's prompt and its first token; `None` if it is already finished.
-    fn join<'t>(&'t self, backend: &Backend, job: Job, context: usize) -> Option<Running<'t>> {
+    /// `speculation`: the model's and the draft's decoders when greedy requests get a draft.
+    fn join<'t>(
+        &'t self,
+        backend: &Backend,
+        speculation: Option<(&Decoder, &Decoder)>,
+        job: Job,
+        context: usize,
+    ) -> Option<Running<'t>> {
         let started = || -> Result<(Cache, Sampler, Vec<f32>)> {
             let sampler = Sampler::new(job.sampling.clone())?;
             let (cache, logits) =
@@ -403,27 +485,35 @@ impl Worker {
         };
         self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
         let first = sampler.sample(&logits);
+        let drafter = match speculation {
+            Some((target, draft)) if job.sampling.temperature == 0.0 => {
+                Some(SpeculativeDraft::new(target, draft, &job.prompt).expect("the draft is the model in bf16"))
+            }
+            _ => None,
+        };
+        let cached = cache.len();
         let mut r = Running {
             cache,
             sampler,
             text: TextStream::new(&self.tokenizer, job.stop),
             next: first,
+            drafter,
             generated: 0,
             max_tokens: job.max_tokens,
             prompt_tokens: job.prompt.len(),
             events: job.events,
             last_token_at: job.arrived,
         };
-        if self.take_token(&mut r, first, context) {
+        if self.take_token(&mut r, first, cached, context) {
             None
         } else {
             Some(r)
         }
     }
 
-    /// Records a sampled token: sends its text, and `Done` when the request is finished.
-    /// Returns whether it is.
-    fn take_token(&self, r: &mut Running, token: u32, context: usize) -> bool {
+    /// Records a sampled token, which follows `cached` positions of the sequence: sends its text,
+    /// and `Done` when the request is finished. Returns whether it is.
+    fn take_token(&self, r: &mut Running, token: u32, cached: usize, context: usize) -> bool {
         let now = Instant::now();
         let latency = now.duration_since(r.last_token_at).as_secs_f64();
         if r.generated == 0 {
@@ -452,7 +542,7 @@ impl Worker {
         if r.text.stopped {
             finish = Some(FinishReason::Stop);
         }
-        let piece = if finish.is_none() && (r.generated >= r.max_tokens || r.cache.len() >= context) {
+        let piece = if finish.is_none() && (r.generated >= r.max_tokens || cached >= context) {
             finish = Some(FinishReason::Length);
             piece + &r.text.finish()
         } else {

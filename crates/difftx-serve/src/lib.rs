@@ -48,6 +48,9 @@ pub struct ServeOptions {
     pub kv_cache: difftx_core::KvPrecision,
     /// Requests decoded together at most.
     pub max_batch: usize,
+    /// Drafts per pass of speculative decoding for a greedy request running alone (a bf16 copy
+    /// of the model drafts, the model checks them in one pass; the same text); `None`: off.
+    pub speculative: Option<usize>,
     /// Requests waiting for a slot at most; beyond it requests get 503 with `Retry-After`.
     pub max_queue: usize,
     /// Largest `max_tokens` a request may ask for (default: the model's context).
@@ -67,6 +70,7 @@ impl Default for ServeOptions {
             weights: ServeWeights::Fused(difftx_core::WeightPrecision::F32),
             kv_cache: difftx_core::KvPrecision::F32,
             max_batch: 16,
+            speculative: None,
             max_queue: 256,
             max_tokens: None,
             api_key: None,
@@ -112,6 +116,7 @@ impl AppState {
             max_batch: opts.max_batch,
             max_queue: opts.max_queue,
             eos_token: eos_token(&dir),
+            speculative: opts.speculative,
         };
         let engine = Engine::start(model, tokenizer.clone(), engine_opts, metrics.clone())?;
         let model_id = opts.model_id.clone().unwrap_or_else(|| folder_name(model_dir));
@@ -285,13 +290,17 @@ pub fn run(model_dir: &Path, opts: ServeOptions) -> Result<()> {
             ServeWeights::Quantized(f) => format!("{f:?}").to_lowercase(),
         };
         let st = server.state();
+        let speculative = opts
+            .speculative
+            .map_or(String::new(), |k| format!(", speculative decoding of lone greedy requests ({k} drafts per pass)"));
         eprintln!(
-            "serving '{}' ({} weights, {} KV cache, context {} tokens, up to {} requests per step) on http://{}",
+            "serving '{}' ({} weights, {} KV cache, context {} tokens, up to {} requests per step{}) on http://{}",
             st.model_id,
             weights,
             format!("{:?}", opts.kv_cache).to_lowercase(),
             st.engine.context(),
             opts.max_batch,
+            speculative,
             server.addr()
         );
         eprintln!(

@@ -19,6 +19,9 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     /// Between consecutive tokens of one request.
     pub time_per_output_token: Histogram,
+    /// Tokens drafted by speculative passes, and those of them the model kept.
+    pub speculative_drafted_tokens: IntCounter,
+    pub speculative_accepted_tokens: IntCounter,
 }
 
 impl Metrics {
@@ -45,6 +48,14 @@ impl Metrics {
             HistogramOpts::new("difftx_time_per_output_token_seconds", "Between consecutive tokens of one request")
                 .buckets(latency_buckets),
         )?;
+        let speculative_drafted_tokens = IntCounter::new(
+            "difftx_speculative_drafted_tokens_total",
+            "Tokens drafted for greedy requests decoded alone (--speculative)",
+        )?;
+        let speculative_accepted_tokens = IntCounter::new(
+            "difftx_speculative_accepted_tokens_total",
+            "Drafted tokens the model kept (--speculative)",
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
@@ -53,6 +64,8 @@ impl Metrics {
         registry.register(Box::new(batch_size.clone()))?;
         registry.register(Box::new(time_to_first_token.clone()))?;
         registry.register(Box::new(time_per_output_token.clone()))?;
+        registry.register(Box::new(speculative_drafted_tokens.clone()))?;
+        registry.register(Box::new(speculative_accepted_tokens.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -63,6 +76,8 @@ impl Metrics {
             batch_size,
             time_to_first_token,
             time_per_output_token,
+            speculative_drafted_tokens,
+            speculative_accepted_tokens,
         })
     }
 

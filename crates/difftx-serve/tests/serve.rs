@@ -188,10 +188,11 @@ async fn completions_chat_and_streams_agree() {
 }
 
 /// Requests that run together give each the text it gets alone (its own seed and sampling).
-async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision) {
+async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision, speculative: Option<usize>) {
     let root = tempfile::tempdir().unwrap();
     let dir = model_dir(root.path(), Family::DiffV2, 256);
-    let server = Server::start(&dir, ServeOptions { weights, kv_cache, max_batch: 8, ..opts() }).await.unwrap();
+    let server =
+        Server::start(&dir, ServeOptions { weights, kv_cache, max_batch: 8, speculative, ..opts() }).await.unwrap();
     let c = Client::new(&server);
     let reqs: Vec<Value> = (0..8)
         .map(|i| {
@@ -213,17 +214,86 @@ async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision) {
     let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
     let count = metric(&m, "difftx_batch_size_count");
     assert!(one.trim().parse::<f64>().unwrap() < count, "no step ran two requests together:\n{m}");
+    // Greedy requests alone ran speculative passes (only then).
+    let drafted = metric(&m, "difftx_speculative_drafted_tokens_total");
+    assert_eq!(drafted > 0.0, speculative.is_some(), "{m}");
+    assert!(metric(&m, "difftx_speculative_accepted_tokens_total") <= drafted, "{m}");
     server.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seeded_request_gives_the_same_text_alone_or_in_a_batch() {
-    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32).await;
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bf16_kv_cache_serves_and_batches_the_same() {
-    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::Bf16), KvPrecision::Bf16).await;
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::Bf16), KvPrecision::Bf16, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_passes_serve_the_same_text_alone_or_in_a_batch() {
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32, Some(4)).await;
+}
+
+/// Greedy requests served by speculative passes get the text, finish reason and token count
+/// that single steps give: limits and stop strings in the middle of a pass, a full context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_gives_the_text_of_single_steps() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = model_dir(root.path(), Family::DiffV1, 64);
+    let plain = Server::start(&dir, opts()).await.unwrap();
+    let fast = Server::start(&dir, ServeOptions { speculative: Some(5), ..opts() }).await.unwrap();
+    let (cp, cf) = (Client::new(&plain), Client::new(&fast));
+    let long = "a".repeat(50);
+    let mut reqs = vec![
+        json!({"prompt": "Once", "max_tokens": 40, "temperature": 0.0}),
+        json!({"prompt": "Once", "max_tokens": 7, "temperature": 0.0}),
+        json!({"prompt": "Once", "max_tokens": 1, "temperature": 0.0}),
+        json!({"prompt": long, "max_tokens": 64, "temperature": 0.0}),
+    ];
+    // A stop string from the middle of the plain text.
+    let text = text_of(&cp.post("/v1/completions", reqs[0].clone()).await.1);
+    let stop: String = text.chars().skip(9).take(2).collect();
+    reqs.push(json!({"prompt": "Once", "max_tokens": 40, "temperature": 0.0, "stop": [stop]}));
+    for req in &reqs {
+        let (sp, vp) = cp.post("/v1/completions", req.clone()).await;
+        let (sf, vf) = cf.post("/v1/completions", req.clone()).await;
+        assert_eq!((sp, sf), (200, 200), "{vp} {vf}");
+        assert_eq!(text_of(&vf), text_of(&vp), "{req}");
+        assert_eq!(vf["choices"][0]["finish_reason"], vp["choices"][0]["finish_reason"], "{req}");
+        assert_eq!(vf["usage"], vp["usage"], "{req}");
+    }
+    let streamed = cf
+        .stream(
+            "/v1/completions",
+            json!({"prompt": "Once", "max_tokens": 40, "temperature": 0.0,
+                                                        "stream": true}),
+        )
+        .await;
+    let pieces: String = streamed
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(pieces, text);
+    let (_, m) = cf.get_text("/metrics").await;
+    assert!(metric(&m, "difftx_speculative_drafted_tokens_total") > 0.0, "{m}");
+    assert!(metric(&m, "difftx_speculative_accepted_tokens_total") > 0.0, "{m}");
+    let (_, m) = cp.get_text("/metrics").await;
+    assert_eq!(metric(&m, "difftx_speculative_drafted_tokens_total"), 0.0, "{m}");
+    plain.shutdown().await.unwrap();
+    fast.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_with_ggml_weights_is_refused_at_start() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = model_dir(root.path(), Family::DiffV1, 64);
+    let weights = ServeWeights::Quantized(difftx_core::WeightFormat::Q4K);
+    let start = Server::start(&dir, ServeOptions { weights, speculative: Some(4), ..opts() }).await;
+    let err = format!("{:#}", start.err().expect("q4k weights with --speculative started"));
+    assert!(err.contains("--speculative"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,7 +308,7 @@ async fn a_bf16_kv_cache_with_ggml_weights_is_refused_at_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantised_weights_serve_and_batch_the_same() {
-    batched_equals_alone(ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0), KvPrecision::F32).await;
+    batched_equals_alone(ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0), KvPrecision::F32, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
