@@ -5,7 +5,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Parser, Subcommand};
 use difftx_core::checkpoint;
-use difftx_core::generate::{bf16_draft, generate, generate_fused, generate_speculative, Sampler, SamplingParams};
+use difftx_core::generate::{
+    bf16_draft, check_prompt, generate, generate_fused, generate_speculative, Sampler, SamplingParams,
+};
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Decoder, Family, Kernels, KvPrecision, ModelConfig, Precision, WeightFormat, WeightPrecision};
 use difftx_train::data::{load_texts, TokenDataset, WindowStart};
@@ -617,6 +619,8 @@ fn stream_generate(
         );
     }
     let ids = tok.encode(prompt)?;
+    // Refused before the prompt is echoed, so that a refusal prints no text.
+    check_prompt(&ids, model.config().max_seq_len)?;
     let mut sampler = Sampler::new(params)?;
     let mut out = std::io::stdout().lock();
     write!(out, "{prompt}")?;

@@ -320,12 +320,11 @@ fn bad_inputs_give_clear_errors() {
     ok(&a);
     // Training into an existing run without --resume.
     fails_with(&a, "already holds a training run");
-    // Prompt longer than the context (32 tokens).
+    // Prompt longer than the context (32 tokens): refused before any text is printed.
     let long = "x".repeat(40);
-    fails_with(
-        &["generate", "--model", run_dir.to_str().unwrap(), "--prompt", &long],
-        "longer than the model's context",
-    );
+    let too_long = ["generate", "--model", run_dir.to_str().unwrap(), "--prompt", &long];
+    fails_with(&too_long, "longer than the model's context");
+    assert!(run(&too_long).stdout.is_empty(), "the refused prompt was echoed");
     // Speculative decoding is greedy only.
     fails_with(
         &["generate", "--model", run_dir.to_str().unwrap(), "--prompt", "a", "--speculative", "3"],

@@ -110,18 +110,23 @@ pub fn generate(
     sampler: &mut Sampler,
     on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    let ctx = model.config().max_seq_len;
-    if prompt.is_empty() {
-        bail!("the prompt is empty: give at least one token of text");
-    }
-    if prompt.len() > ctx {
-        bail!("the prompt is {} tokens long, longer than the model's context of {ctx} tokens", prompt.len());
-    }
+    check_prompt(prompt, model.config().max_seq_len)?;
     if Decoder::supports(model) {
         generate_fused(&Decoder::new(model)?, prompt, max_new, sampler, on_token)
     } else {
         generate_with_forward(model, prompt, max_new, sampler, on_token)
     }
+}
+
+/// An error unless `prompt` has at least one token and fits a context of `context` tokens.
+pub fn check_prompt(prompt: &[u32], context: usize) -> Result<()> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty: give at least one token of text");
+    }
+    if prompt.len() > context {
+        bail!("the prompt is {} tokens long, longer than the model's context of {context} tokens", prompt.len());
+    }
+    Ok(())
 }
 
 /// `generate` on the fused decoder.
