@@ -287,13 +287,16 @@ async fn speculative_decoding_gives_the_text_of_single_steps() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn speculative_decoding_with_ggml_weights_is_refused_at_start() {
+async fn speculative_decoding_with_ggml_weights_or_no_drafts_is_refused_at_start() {
     let root = tempfile::tempdir().unwrap();
     let dir = model_dir(root.path(), Family::DiffV1, 64);
     let weights = ServeWeights::Quantized(difftx_core::WeightFormat::Q4K);
     let start = Server::start(&dir, ServeOptions { weights, speculative: Some(4), ..opts() }).await;
     let err = format!("{:#}", start.err().expect("q4k weights with --speculative started"));
-    assert!(err.contains("--speculative"), "{err}");
+    assert!(err.contains("--speculative runs the fused decoder"), "{err}");
+    let start = Server::start(&dir, ServeOptions { speculative: Some(0), ..opts() }).await;
+    let err = format!("{:#}", start.err().expect("--speculative 0 started"));
+    assert!(err.contains("at least 1"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -434,13 +434,7 @@ impl Decoder {
     /// [vocab]. The prompt's positions run as rows of one pass (in chunks of `PREFILL_CHUNK`),
     /// each attending to the positions up to its own.
     pub fn prefill(&self, seq: &mut SequenceCache, prompt: &[u32]) -> Result<Vec<f32>> {
-        ensure!(!prompt.is_empty(), "the prompt is empty: give at least one token");
-        ensure!(
-            prompt.len() <= self.max_seq_len,
-            "the prompt is {} tokens long, longer than the model's context of {} tokens",
-            prompt.len(),
-            self.max_seq_len
-        );
+        crate::generate::check_prompt(prompt, self.max_seq_len)?;
         if !self.owns(seq) {
             *seq = self.new_sequence();
         }
