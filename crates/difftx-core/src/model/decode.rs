@@ -442,31 +442,12 @@ impl Decoder {
         self.append(seq, prompt)
     }
 
-    /// An error unless `seq` has room for `n` more positions.
-    fn check_room(&self, seq: &SequenceCache, n: usize) -> Result<()> {
-        ensure!(
-            seq.len + n <= self.max_seq_len,
-            "{} cached and {n} new positions are more than the model's context of {} tokens",
-            seq.len,
-            self.max_seq_len
-        );
-        Ok(())
-    }
-
     /// Appends `tokens` (at least one) to `seq` at its next positions, as rows of one pass (in
     /// chunks of `PREFILL_CHUNK`), and returns the logits after the last of them, [vocab]: a
     /// prompt, or the tokens a speculative draft's cache has not seen yet.
     pub fn append(&self, seq: &mut SequenceCache, tokens: &[u32]) -> Result<Vec<f32>> {
         ensure!(!tokens.is_empty(), "no tokens to append");
-        self.check_room(seq, tokens.len())?;
-        let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
-        let mut logits = Vec::new();
-        for (c, chunk) in chunks.iter().enumerate() {
-            let rows: Vec<(usize, u32)> = chunk.iter().map(|&t| (0, t)).collect();
-            let last = if c + 1 == chunks.len() { vec![chunk.len() - 1] } else { Vec::new() };
-            logits = self.forward_rows(&mut [&mut *seq], &rows, &last)?;
-        }
-        Ok(logits)
+        self.append_rows(seq, tokens, false)
     }
 
     /// Appends `tokens` to `seq` at its next positions, as rows of one pass (in chunks of
@@ -474,12 +455,29 @@ impl Decoder {
     /// [tokens.len(), vocab]: what `step` would return token by token, in one read of the weights
     /// per chunk (speculative decoding checks a draft's tokens so).
     pub fn extend(&self, seq: &mut SequenceCache, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.check_room(seq, tokens.len())?;
-        let mut logits = Vec::with_capacity(tokens.len() * self.vocab);
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
+        self.append_rows(seq, tokens, true)
+    }
+
+    /// `tokens` as rows of one sequence, a pass per `PREFILL_CHUNK`; the logits after every
+    /// token (`every`) or after the last one only.
+    fn append_rows(&self, seq: &mut SequenceCache, tokens: &[u32], every: bool) -> Result<Vec<f32>> {
+        ensure!(
+            seq.len + tokens.len() <= self.max_seq_len,
+            "{} cached and {} new positions are more than the model's context of {} tokens",
+            seq.len,
+            tokens.len(),
+            self.max_seq_len
+        );
+        let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
+        let mut logits = Vec::with_capacity(if every { tokens.len() } else { 1 } * self.vocab);
+        for (c, chunk) in chunks.iter().enumerate() {
             let rows: Vec<(usize, u32)> = chunk.iter().map(|&t| (0, t)).collect();
-            let all: Vec<usize> = (0..rows.len()).collect();
-            logits.extend(self.forward_rows(&mut [&mut *seq], &rows, &all)?);
+            let wanted: Vec<usize> = match (every, c + 1 == chunks.len()) {
+                (true, _) => (0..rows.len()).collect(),
+                (false, true) => vec![rows.len() - 1],
+                (false, false) => Vec::new(),
+            };
+            logits.extend(self.forward_rows(&mut [&mut *seq], &rows, &wanted)?);
         }
         Ok(logits)
     }
