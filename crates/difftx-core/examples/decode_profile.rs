@@ -1,5 +1,5 @@
-//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16]` (the
-//! weights' precision, then the KV cache's; for perf). Allocates through mimalloc, as the `difftx`
+//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16]
+//! [PROMPT]` (the weights' precision, the KV cache's, the prompt's length, 16 by default; for perf). Allocates through mimalloc, as the `difftx`
 //! binary does (under glibc's malloc, allocation was ~8% of the caller's perf samples at batch 1);
 //! run it with `MIMALLOC_PURGE_DELAY=-1` to match the CLI's setting (docs/design.md §7.2).
 use candle_core::{DType, Device, Tensor};
@@ -17,17 +17,19 @@ fn main() -> anyhow::Result<()> {
         std::env::args().nth(3).map_or(Ok(WeightPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
     let kv: KvPrecision =
         std::env::args().nth(4).map_or(Ok(KvPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
+    let prompt: usize = std::env::args().nth(5).map_or(Ok(16), |s| s.parse())?;
     let cfg = ModelConfig::preset("bench-s", family)?;
+    anyhow::ensure!((1..cfg.max_seq_len).contains(&prompt), "the prompt must leave room for a step");
     let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
     let m = Model::from_weights(&cfg, &w)?;
     let mut dec = Decoder::with_precision(&m, precision)?;
     dec.set_kv_precision(kv);
     let mut seqs: Vec<_> = (0..batch).map(|_| dec.new_sequence()).collect();
-    let (rounds, steps) = (4, cfg.max_seq_len - 16);
+    let (rounds, steps) = (4, cfg.max_seq_len - prompt);
     let mut secs = 0.0;
     for _ in 0..rounds {
         for s in seqs.iter_mut() {
-            dec.prefill(s, &(0..16).collect::<Vec<u32>>())?;
+            dec.prefill(s, &(0..prompt as u32).collect::<Vec<u32>>())?;
         }
         let mut toks = vec![5u32; batch];
         let t0 = std::time::Instant::now();
@@ -36,7 +38,7 @@ fn main() -> anyhow::Result<()> {
             let logits = dec.step(&mut refs, &toks)?;
             toks = logits
                 .chunks(cfg.vocab_size)
-                .map(|r| r.iter().position(|&v| v == r.iter().cloned().fold(f32::MIN, f32::max)).unwrap_or(0) as u32)
+                .map(|r| (0..r.len()).fold(0, |best, i| if r[i] > r[best] { i } else { best }) as u32)
                 .collect();
         }
         secs += t0.elapsed().as_secs_f64();

@@ -1100,6 +1100,28 @@ fn packed_order(out: usize, in_dim: usize, block: usize) -> impl Iterator<Item =
     })
 }
 
+/// Has every thread of `team` read each of `weights` at the same time: each thread multiplies
+/// four zero rows by the whole weight (the kernels' row group, read as a batched step reads it),
+/// all threads starting each weight together.
+///
+/// Why: on the 2-core Xeon model 207 a batch-1 decode step, in which each thread reads only its
+/// own panels, ran at two speeds, ~2,200 or ~2,800 tokens/s for bench-s f32, and stayed at the
+/// second only after both threads had read the weights at the same time (a prefill split by rows
+/// did it; one thread reading them all, or each its own half, did not; docs/design.md §7.29).
+/// The cause is not identified; the cost is one batch-of-eight step when a decoder is built.
+pub fn read_on_every_thread(weights: &[&PackedWeight]) {
+    const ROWS: usize = 4;
+    let mut threads = vec![(); crate::team::participants()];
+    for w in weights {
+        crate::team::for_each_mut(&mut threads, |_, _| {
+            let x = vec![0f32; ROWS * w.in_dim];
+            let mut y = vec![0f32; ROWS * w.out];
+            // Called from a team job, the product runs on this thread alone.
+            matmul_packed(&x, w, &mut y);
+        });
+    }
+}
+
 /// `y = x·Wᵀ` for a Linear weight W: x `[rows, in]`, y `[rows, out]`.
 pub fn matmul_packed(x: &[f32], w: &PackedWeight, y: &mut [f32]) {
     matmul_packed_at(crate::cpu::BEST_ISA, x, w, y)
@@ -1154,6 +1176,16 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
         for p in 0..panels {
             run(p, y, out, p * PANEL);
         }
+        return;
+    }
+    if rows == 1 {
+        // One row: each task's columns are a run of y of their own.
+        let mut parts: Vec<&mut [f32]> = y.chunks_mut(per_task * PANEL).collect();
+        crate::team::for_each_mut(&mut parts, |t, part| {
+            for p in t * per_task..((t + 1) * per_task).min(panels) {
+                run(p, part, part.len(), (p - t * per_task) * PANEL);
+            }
+        });
         return;
     }
     // Each task fills its own [rows, its columns] block, copied into y afterwards.
@@ -1265,14 +1297,16 @@ mod tests {
     #[test]
     fn matmul_packed_matches_f64_on_awkward_shapes_at_every_level() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        // (rows, in, out): odd widths, one row, widths below and above the 32-lane block, and a
-        // product large enough to be split across threads.
+        // (rows, in, out): odd widths, one row, widths below and above the 32-lane block, and
+        // products large enough to be split across threads: one row into runs of y (704; 257,
+        // whose last task ends in a one-column panel), several rows into blocks.
         for &(rows, in_dim, out) in &[
             (1, 1, 1),
             (1, 37, 13),
             (3, 31, 5),
             (2, 33, 70),
             (1, 256, 704),
+            (1, 300, 257),
             (5, 300, 257),
             (9, 64, 130),
             (7, 129, 128),
