@@ -532,6 +532,16 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
         decode_median(&decoders, &prompts, 1, n, true)
     };
     let f32_runs = timed(WeightPrecision::F32)?;
+    // Each model's f32 decoder alone in the process, as `generate` and `serve` run it (and as
+    // the PyTorch reference times Hugging Face's `generate`): models stepped in turn share the
+    // caches, and on the Xeon model 207 a model alone decoded up to ~25% faster (design.md §7.29).
+    let mut alone = Vec::with_capacity(models.len());
+    for (model, prompt) in models.iter().zip(&prompts) {
+        let decoder = [Decoder::new(model)?];
+        let prompt = std::slice::from_ref(prompt);
+        decode_interleaved(&decoder, prompt, 1, 4.min(n), true)?;
+        alone.extend(decode_median(&decoder, prompt, 1, n, true)?);
+    }
     let mut reduced: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
     // bf16 and int8 weights through the same fused decoder (tokens may differ from f32).
     for (name, precision) in [("bf16", WeightPrecision::Bf16), ("int8", WeightPrecision::Int8)] {
@@ -571,9 +581,13 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
         if *out != out_forward {
             bail!("the fused decoder and the forward path chose different greedy tokens ({family})");
         }
+        if alone[i].tokens != *out {
+            bail!("the fused decoder chose different greedy tokens alone and beside the others ({family})");
+        }
         let r = json!({
             "tokens_per_sec": per_sec(out.len(), *secs),
             "tokens_per_sec_runs": runs.iter().map(|&r| per_sec(out.len(), r)).collect::<Vec<_>>(),
+            "tokens_per_sec_alone": per_sec(out.len(), alone[i].median_secs),
             "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
             "tokens_per_sec_by_weight_precision": reduced[i],
             "batched_tokens_per_sec": batched[i],
@@ -581,7 +595,7 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
             "speculative": speculative[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
-            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache; speculative: batch 1, the f32 decoder checking {SPECULATIVE_DRAFT} drafts per pass of a bf16 copy (bf16 weights and cache), the same greedy tokens as f32, prompt included, each run alternated with plain f32 decoding (tokens_per_sec_plain_alternated; over_plain: the ratio of the medians), acceptance: the share of drafts kept"),
+            "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_alone: the same with this family's decoder alone, timed after the side-by-side runs (as generate and serve run one model); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache; speculative: batch 1, the f32 decoder checking {SPECULATIVE_DRAFT} drafts per pass of a bf16 copy (bf16 weights and cache), the same greedy tokens as f32, prompt included, each run alternated with plain f32 decoding (tokens_per_sec_plain_alternated; over_plain: the ratio of the medians), acceptance: the share of drafts kept"),
         });
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);

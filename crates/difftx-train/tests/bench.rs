@@ -21,6 +21,8 @@ fn quick_bench_reports_every_part() {
         runs.sort_by(f64::total_cmp);
         assert_eq!(runs.len(), 5, "{f}");
         assert_eq!(runs[2], tps, "{f}: {runs:?}");
+        // Its decoder alone ran too (the bench fails if it chose other tokens).
+        assert!(r["decode"][f]["tokens_per_sec_alone"].as_f64().unwrap() > 0.0, "{f}");
         // Speculative decoding ran (it fails the bench if its tokens are not plain decoding's).
         let spec = &r["decode"][f]["speculative"];
         let acceptance = spec["acceptance"].as_f64().unwrap();
