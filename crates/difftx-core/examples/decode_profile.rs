@@ -1,7 +1,8 @@
-//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16]
-//! [PROMPT]` (the weights' precision, the KV cache's, the prompt's length, 16 by default; for perf). Allocates through mimalloc, as the `difftx`
-//! binary does (under glibc's malloc, allocation was ~8% of the caller's perf samples at batch 1);
-//! run it with `MIMALLOC_PURGE_DELAY=-1` to match the CLI's setting (docs/design.md §7.2).
+//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8]
+//! [f32|bf16] [PROMPT]` (the weights' precision, the KV cache's, the prompt's length, 16 by
+//! default; for perf). Allocates through mimalloc, as the `difftx` binary does (under glibc's
+//! malloc, allocation was ~8% of the caller's perf samples at batch 1); run it with
+//! `MIMALLOC_PURGE_DELAY=-1` to match the CLI's setting (docs/design.md §7.2).
 use candle_core::{DType, Device, Tensor};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::{Decoder, Family, KvPrecision, ModelConfig, WeightPrecision};
