@@ -61,6 +61,11 @@ fn tokens(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7 + seed * 13 + i * i) % vocab) as u32).collect()
 }
 
+/// A greedy sampler (temperature 0).
+fn greedy() -> Sampler {
+    Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap()
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -190,7 +195,6 @@ fn greedy_tokens_are_those_of_the_forward_path() {
     for (name, cfg) in configs() {
         let m = model(&cfg, 3);
         let prompt = tokens(4, cfg.vocab_size, 8);
-        let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
         let slow = generate_with_forward(&m, &prompt, cfg.max_seq_len, &mut greedy(), |_| Ok(())).unwrap();
         let fast =
             generate_fused(&Decoder::new(&m).unwrap(), &prompt, cfg.max_seq_len, &mut greedy(), |_| Ok(())).unwrap();
@@ -424,7 +428,6 @@ fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
         short_cfg.max_seq_len = 20;
         let short = Decoder::new(&model(&short_cfg, 3)).unwrap();
         let prompt = tokens(4, cfg.vocab_size, 8);
-        let greedy = || Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
         for max_new in [cfg.max_seq_len, 7, 1] {
             let plain = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
             for (draft_name, draft) in [("bf16", &bf16), ("other", &other), ("same", &same), ("short", &short)] {
@@ -462,8 +465,7 @@ fn speculative_passes_between_batched_steps_give_the_greedy_tokens() {
         let draft = bf16_draft(&m).unwrap();
         let prompt = tokens(6, cfg.vocab_size, 12);
         let max_new = cfg.max_seq_len - prompt.len();
-        let mut greedy = Sampler::new(SamplingParams { temperature: 0.0, ..Default::default() }).unwrap();
-        let plain = generate_fused(&target, &prompt, max_new, &mut greedy, |_| Ok(())).unwrap();
+        let plain = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
         let mut seq = target.new_sequence();
         let mut out = vec![argmax(&target.prefill(&mut seq, &prompt).unwrap())];
         let mut drafter: Option<SpeculativeDraft> = None;
