@@ -163,6 +163,9 @@ def main():
             row["difftx"][f"decode_{fam}_batched_bf16_weights_and_kv_cache_tokens_per_sec"] = get(
                 ours, "decode", fam, "batched_tokens_per_sec_bf16_weights_and_kv_cache"
             )
+            row["difftx"][f"decode_{fam}_batched_bf16_weights_int8_kv_cache_tokens_per_sec"] = get(
+                ours, "decode", fam, "batched_tokens_per_sec_bf16_weights_int8_kv_cache"
+            )
             row["difftx"][f"decode_{fam}_forward_path_tokens_per_sec"] = get(ours, "decode", fam, "tokens_per_sec_forward_path")
             x, y = get(ours, "decode", fam, "tokens_per_sec_alone"), get(theirs, "decode", fam, "tokens_per_sec")
             row["difftx"][f"decode_{fam}_alone_tokens_per_sec"] = x

@@ -245,8 +245,10 @@ struct GenerateArgs {
     /// quarter; f32 arithmetic). Activations between the products stay f32. Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     precision: WeightPrecision,
-    /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per
-    /// cached position; the logits move by bf16 rounding). Needs `--weights f32`.
+    /// How the fused decoder caches keys and values: f32, bf16 (half the bytes read per cached
+    /// position; the logits move by bf16 rounding) or int8 (each position of a head as codes and
+    /// one scale: 9/32 of f32's bytes at head size 32; the logits move about twice as far as
+    /// bf16's). Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
     /// Speculative decoding, greedy only: a copy of the model with bf16 weights and a bf16 cache
@@ -276,9 +278,10 @@ struct ServeArgs {
     /// pass of the fused decoder; q8_0 and q4k (ggml blocks) run them one after the other.
     #[arg(long, default_value = "f32")]
     weights: difftx_serve::engine::ServeWeights,
-    /// How the fused decoder caches keys and values: f32, or bf16 (half the bytes read per
-    /// cached position: faster when many requests run together, logits within bf16 rounding of
-    /// f32's). Needs --weights f32, bf16 or int8.
+    /// How the fused decoder caches keys and values: f32, bf16 (half the bytes read per cached
+    /// position: faster when many requests run together, logits within bf16 rounding of f32's)
+    /// or int8 (codes and one scale per position of a head: 9/32 of f32's bytes at head size 32,
+    /// the logits moving about twice as far as bf16's). Needs --weights f32, bf16 or int8.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
     /// Requests decoded together at most; more wait in the queue.

@@ -1,6 +1,6 @@
-//! Times the fused decoder's steps on bench-s: `decode_profile FAMILY BATCH [f32|bf16|int8]
-//! [f32|bf16] [PROMPT]` (the weights' precision, the KV cache's, the prompt's length, 16 by
-//! default; for perf). Allocates through mimalloc, as the `difftx` binary does (under glibc's
+//! Times the fused decoder's steps: `decode_profile FAMILY BATCH [f32|bf16|int8]
+//! [f32|bf16|int8] [PROMPT] [PRESET]` (the weights' precision, the KV cache's, the prompt's
+//! length, 16 by default, and the model preset, bench-s by default; for perf). Allocates through mimalloc, as the `difftx` binary does (under glibc's
 //! malloc, allocation was ~8% of the caller's perf samples at batch 1); run it with
 //! `MIMALLOC_PURGE_DELAY=-1` to match the CLI's setting (docs/design.md §7.2).
 use candle_core::{DType, Device, Tensor};
@@ -19,7 +19,8 @@ fn main() -> anyhow::Result<()> {
     let kv: KvPrecision =
         std::env::args().nth(4).map_or(Ok(KvPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
     let prompt: usize = std::env::args().nth(5).map_or(Ok(16), |s| s.parse())?;
-    let cfg = ModelConfig::preset("bench-s", family)?;
+    let preset = std::env::args().nth(6).unwrap_or("bench-s".into());
+    let cfg = ModelConfig::preset(&preset, family)?;
     anyhow::ensure!((1..cfg.max_seq_len).contains(&prompt), "the prompt must leave room for a step");
     let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
     let m = Model::from_weights(&cfg, &w)?;

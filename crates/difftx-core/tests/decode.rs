@@ -102,7 +102,7 @@ fn decoder_logits_match_the_full_forward_at_every_position() {
 
 #[test]
 fn batched_steps_equal_single_steps_at_different_positions() {
-    // Attention of a pass on one thread, and split over threads; either cache precision; f32
+    // Attention of a pass on one thread, and split over threads; every cache precision; f32
     // weights, and bf16 (whose products take the rows in groups of up to four).
     for (name, cfg) in configs() {
         for threshold in [usize::MAX, 0] {
@@ -110,6 +110,7 @@ fn batched_steps_equal_single_steps_at_different_positions() {
                 (KvPrecision::F32, WeightPrecision::F32),
                 (KvPrecision::Bf16, WeightPrecision::F32),
                 (KvPrecision::Bf16, WeightPrecision::Bf16),
+                (KvPrecision::Int8, WeightPrecision::F32),
             ] {
                 let case = format!("{name}, split from {threshold}, {kv:?} cache, {weights:?} weights");
                 batched_equals_single(&case, &cfg, threshold, kv, weights);
@@ -205,15 +206,20 @@ fn greedy_tokens_are_those_of_the_forward_path() {
 }
 
 /// A bf16 cache moves the logits by bf16 rounding: about as far as bf16 weights do (the rounding
-/// the decoder already offers), far less than a misread cache would, and not zero.
+/// the decoder already offers), far less than a misread cache would, and not zero. An int8 cache
+/// (a step of 1/127 of each position's largest value) moves them further, about as far as int8
+/// weights (a step of 1/127 of each output channel's largest weight) do.
 #[test]
-fn bf16_kv_cache_moves_the_logits_as_far_as_bf16_weights_do() {
+fn reduced_kv_caches_move_the_logits_as_far_as_weights_of_that_precision_do() {
     for (name, cfg) in configs() {
         let m = model(&cfg, 6);
         let ids = tokens(cfg.max_seq_len, cfg.vocab_size, 5);
-        let mut bf16_cache = Decoder::new(&m).unwrap();
-        bf16_cache.set_kv_precision(KvPrecision::Bf16);
-        assert_eq!(bf16_cache.kv_precision(), KvPrecision::Bf16);
+        let cache_of = |kv: KvPrecision| {
+            let mut dec = Decoder::new(&m).unwrap();
+            dec.set_kv_precision(kv);
+            assert_eq!(dec.kv_precision(), kv);
+            dec
+        };
         // Every position's logits: the prompt's last, then one per step (crossing a chunk).
         let run = |dec: &Decoder| {
             let mut seq = dec.new_sequence();
@@ -230,13 +236,26 @@ fn bf16_kv_cache_moves_the_logits_as_far_as_bf16_weights_do() {
             let per: Vec<f32> = run.iter().zip(&exact).map(|(a, b)| max_abs(a, b) / scale).collect();
             (per.iter().sum::<f32>() / per.len() as f32, per.iter().cloned().fold(0.0, f32::max))
         };
-        let (mean, worst) = off(&run(&bf16_cache));
+        let (mean, worst) = off(&run(&cache_of(KvPrecision::Bf16)));
         let (weights_mean, _) = off(&run(&Decoder::with_precision(&m, WeightPrecision::Bf16).unwrap()));
+        let (int8_mean, int8_worst) = off(&run(&cache_of(KvPrecision::Int8)));
+        let (int8_weights_mean, _) = off(&run(&Decoder::with_precision(&m, WeightPrecision::Int8).unwrap()));
         // Measured (these deliberately sharp models, logits up to ~10): mean 5.0e-3-7.3e-3, worst
         // 2.1e-2-4.3e-2, 0.5-0.55 of bf16 weights' mean (their products round the inputs too).
         assert!(mean > 0.0, "{name}: a bf16 cache changed nothing: is it rounded at all?");
         assert!(mean < 2e-2 && worst < 1e-1, "{name}: bf16 cache off by {mean} on average, {worst} at worst");
         assert!(mean < 1.5 * weights_mean, "{name}: bf16 cache {mean} against bf16 weights {weights_mean}");
+        // Measured: mean 1.0e-2-1.7e-2, worst 4.2e-2-7.0e-2; 1.9-2.3 times the bf16 cache's mean,
+        // 0.43-0.52 of int8 weights'.
+        assert!(int8_mean > mean, "{name}: an int8 cache ({int8_mean}) closer than a bf16 one ({mean})?");
+        assert!(
+            int8_mean < 3e-2 && int8_worst < 0.15,
+            "{name}: int8 cache off by {int8_mean} on average, {int8_worst} at worst"
+        );
+        assert!(
+            int8_mean < int8_weights_mean,
+            "{name}: int8 cache {int8_mean} against int8 weights {int8_weights_mean}"
+        );
     }
 }
 
@@ -253,6 +272,10 @@ fn a_cache_of_another_precision_is_refused_and_prefill_replaces_it() {
     // prefill starts the sequence over at the decoder's precision.
     dec.prefill(&mut f32_seq, &[1, 2]).unwrap();
     dec.step(&mut [&mut f32_seq], &[3]).unwrap();
+    // An int8 decoder refuses the bf16 cache in turn.
+    dec.set_kv_precision(KvPrecision::Int8);
+    let err = dec.step(&mut [&mut f32_seq], &[4]).unwrap_err().to_string();
+    assert!(err.contains("KV precision (Int8)"), "{err}");
 }
 
 #[test]

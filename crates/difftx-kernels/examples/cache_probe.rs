@@ -82,8 +82,8 @@ fn main() -> candle_core::Result<()> {
             for (keys, values) in &kv {
                 for h in 0..heads {
                     let at = h * d * KV_CHUNK;
-                    softmax_scores(&q, &keys[at..], stride, 0.18, &mut p);
-                    weighted_values(&p, &values[at..], stride, &mut out);
+                    softmax_scores(&q, &keys[at..], None, stride, 0.18, &mut p);
+                    weighted_values(&p, &values[at..], None, stride, &mut out);
                 }
             }
         };

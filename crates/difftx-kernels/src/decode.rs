@@ -40,7 +40,7 @@ macro_rules! by_rows {
 
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
-    use super::{Element, PanelElement, KV_CHUNK};
+    use super::{Element, PanelElement, PositionScales, KV_CHUNK};
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
@@ -347,9 +347,13 @@ mod body {
     /// Scores of the `KV_CHUNK` positions of one chunk of keys (`[d, KV_CHUNK]`): the sums run
     /// over the d key features with every position's partial sum in registers.
     #[inline(always)]
-    fn score_chunk<E: Element, const FMA: bool>(q: &[f32], chunk: &[E]) -> [f32; KV_CHUNK] {
+    fn score_chunk<E: Element, const FMA: bool>(q: &[f32], chunk: &[E], next: *const E) -> [f32; KV_CHUNK] {
         let mut acc = [0f32; KV_CHUNK];
-        for (&qi, k) in q.iter().zip(chunk.chunks_exact(KV_CHUNK)) {
+        let lines = KV_CHUNK * std::mem::size_of::<E>() / 64;
+        for (i, (&qi, k)) in q.iter().zip(chunk.chunks_exact(KV_CHUNK)).enumerate() {
+            for line in 0..lines {
+                prefetch(next.wrapping_add(i * KV_CHUNK + line * 64 / std::mem::size_of::<E>()));
+            }
             let k: &[E; KV_CHUNK] = k.try_into().unwrap();
             for j in 0..KV_CHUNK {
                 acc[j] = madd::<FMA>(acc[j], qi, k[j].to_f32());
@@ -362,6 +366,7 @@ mod body {
     pub fn softmax_scores<E: Element, const FMA: bool>(
         q: &[f32],
         keys: &[E],
+        key_scales: Option<PositionScales<'_>>,
         chunk_stride: usize,
         scale: f32,
         p: &mut [f32],
@@ -371,9 +376,19 @@ mod body {
         // slower than a quarter of it in 16-wide blocks, whose two or four sums per feature wait
         // on the multiply-add latency, and without the one-position-at-a-time tail there was.
         let chunk_len = q.len() * KV_CHUNK;
+        let p_len = p.len();
         for (c, pc) in p.chunks_mut(KV_CHUNK).enumerate() {
-            let acc = score_chunk::<E, FMA>(q, &keys[c * chunk_stride..c * chunk_stride + chunk_len]);
-            pc.iter_mut().zip(acc).for_each(|(p, a)| *p = a * scale);
+            // The next chunk's keys, or past the last one the next head's first chunk.
+            let next = if (c + 1) * KV_CHUNK < p_len { (c + 1) * chunk_stride } else { chunk_len };
+            let acc = score_chunk::<E, FMA>(
+                q,
+                &keys[c * chunk_stride..c * chunk_stride + chunk_len],
+                keys.as_ptr().wrapping_add(next),
+            );
+            match key_scales {
+                None => pc.iter_mut().zip(acc).for_each(|(p, a)| *p = a * scale),
+                Some(s) => pc.iter_mut().zip(acc).zip(s.chunk(c)).for_each(|((p, a), k)| *p = a * k * scale),
+            }
         }
         let max = max_slice(p, f32::NEG_INFINITY);
         p.iter_mut().for_each(|v| *v = fast_exp_f32(*v - max));
@@ -400,7 +415,7 @@ mod body {
     #[inline(always)]
     fn sum_rows<E: Element, const FULL: bool, const FMA: bool>(
         p: &[f32],
-        values: &[E],
+        (values, value_scales): (&[E], Option<PositionScales<'_>>),
         chunk_stride: usize,
         dv: usize,
         (off, width): (usize, usize),
@@ -408,8 +423,28 @@ mod body {
         let width = if FULL { VALUE_COLS } else { width };
         let (mut even, mut odd) = ([0f32; VALUE_COLS], [0f32; VALUE_COLS]);
         for (c, pc) in p.chunks(KV_CHUNK).enumerate() {
+            // Scaled values (int8 codes): each position's weight takes its value's scale.
+            let scaled: [f32; KV_CHUNK];
+            let pc = match value_scales {
+                None => pc,
+                Some(s) => {
+                    let k = s.chunk(c);
+                    scaled = std::array::from_fn(|j| if j < pc.len() { pc[j] * k[j] } else { 0.0 });
+                    &scaled[..pc.len()]
+                }
+            };
             let rows = &values[c * chunk_stride..c * chunk_stride + pc.len() * dv];
-            for (w, two) in pc.chunks_exact(2).zip(rows.chunks_exact(2 * dv)) {
+            // The next chunk's values, or past the last one the next head's first chunk; asked
+            // for by the first block of columns only.
+            let next = if (c + 1) * KV_CHUNK < p.len() { (c + 1) * chunk_stride } else { KV_CHUNK * dv };
+            let next = values.as_ptr().wrapping_add(next);
+            let per_line = 64 / std::mem::size_of::<E>();
+            for (k, (w, two)) in pc.chunks_exact(2).zip(rows.chunks_exact(2 * dv)).enumerate() {
+                if off == 0 {
+                    for e in (0..2 * dv).step_by(per_line) {
+                        prefetch(next.wrapping_add(2 * k * dv + e));
+                    }
+                }
                 add_row::<E, FMA>(&mut even, w[0], &two[off..off + width]);
                 add_row::<E, FMA>(&mut odd, w[1], &two[dv + off..dv + off + width]);
             }
@@ -423,13 +458,20 @@ mod body {
 
     /// `out += Σ_s p_s·v_s`, `VALUE_COLS` output features at a time.
     #[inline(always)]
-    pub fn weighted_values<E: Element, const FMA: bool>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
+    pub fn weighted_values<E: Element, const FMA: bool>(
+        p: &[f32],
+        values: &[E],
+        value_scales: Option<PositionScales<'_>>,
+        chunk_stride: usize,
+        out: &mut [f32],
+    ) {
         let dv = out.len();
         for (oc, off) in out.chunks_mut(VALUE_COLS).zip((0..).step_by(VALUE_COLS)) {
+            let held = (values, value_scales);
             let acc = if oc.len() == VALUE_COLS {
-                sum_rows::<E, true, FMA>(p, values, chunk_stride, dv, (off, VALUE_COLS))
+                sum_rows::<E, true, FMA>(p, held, chunk_stride, dv, (off, VALUE_COLS))
             } else {
-                sum_rows::<E, false, FMA>(p, values, chunk_stride, dv, (off, oc.len()))
+                sum_rows::<E, false, FMA>(p, held, chunk_stride, dv, (off, oc.len()))
             };
             oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
         }
@@ -558,7 +600,7 @@ mod body {
 macro_rules! isa_variants {
     ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
-            use super::{body, Element};
+            use super::{body, Element, PositionScales};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
                 body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
@@ -568,12 +610,25 @@ macro_rules! isa_variants {
                 body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn softmax_scores<E: Element>(q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
-                body::softmax_scores::<E, $fma>(q, keys, chunk_stride, scale, p)
+            pub unsafe fn softmax_scores<E: Element>(
+                q: &[f32],
+                keys: &[E],
+                key_scales: Option<PositionScales<'_>>,
+                chunk_stride: usize,
+                scale: f32,
+                p: &mut [f32],
+            ) {
+                body::softmax_scores::<E, $fma>(q, keys, key_scales, chunk_stride, scale, p)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn weighted_values<E: Element>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
-                body::weighted_values::<E, $fma>(p, values, chunk_stride, out)
+            pub unsafe fn weighted_values<E: Element>(
+                p: &[f32],
+                values: &[E],
+                value_scales: Option<PositionScales<'_>>,
+                chunk_stride: usize,
+                out: &mut [f32],
+            ) {
+                body::weighted_values::<E, $fma>(p, values, value_scales, chunk_stride, out)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -831,10 +886,21 @@ impl Element for Bf16 {
     }
 }
 
-/// An element of a cache of keys and values ([`softmax_scores`], [`weighted_values`]): f32, or
-/// bf16 rounded to nearest even when written and widened to f32 when read.
+/// An element of a cache of keys and values ([`softmax_scores`], [`weighted_values`]): f32; bf16
+/// rounded to nearest even when written and widened to f32 when read; or an int8 code, each
+/// position of a head (its `d` keys, or its `d` values) stored as codes times a scale of its own
+/// ([`PositionScales`]).
 pub trait KvElement: Element + Default {
+    /// Whether a head's position is stored as codes times a scale (see [`KvElement::scale_for`]).
+    const SCALED: bool = false;
+
+    /// The element that holds `x`, a value divided by its position's scale where `SCALED`.
     fn from_f32(x: f32) -> Self;
+
+    /// The scale of a head's position whose largest magnitude is `absmax` (1 where not `SCALED`).
+    fn scale_for(_absmax: f32) -> f32 {
+        1.0
+    }
 }
 
 impl KvElement for f32 {
@@ -851,6 +917,67 @@ impl KvElement for Bf16 {
     }
 }
 
+/// Symmetric int8: a position's codes are x / scale rounded to nearest (ties to even) with
+/// scale = max|x| / 127, so each value is held to half a step, 1/254 of the largest.
+impl KvElement for i8 {
+    const SCALED: bool = true;
+
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        // Adding and taking away 1.5·2^23 rounds to an integer (ties to even) for |x| < 2^22
+        // without libm's `roundf`, a call per value here (2.5% of a 32-sequence step's samples).
+        const ROUND: f32 = 12_582_912.0;
+        ((x.clamp(-127.0, 127.0) + ROUND) - ROUND) as i8
+    }
+
+    fn scale_for(absmax: f32) -> f32 {
+        absmax / 127.0
+    }
+}
+
+/// The codes of `x` at `E`'s precision, written by `put(i, code)`, and their scale (1 where `E` is
+/// not scaled): the one encoding of a cached position (the decoder's writes and the tests').
+pub fn encode_position<E: KvElement>(x: &[f32], mut put: impl FnMut(usize, E)) -> f32 {
+    if !E::SCALED {
+        x.iter().enumerate().for_each(|(i, &v)| put(i, E::from_f32(v)));
+        return 1.0;
+    }
+    let scale = E::scale_for(x.iter().fold(0f32, |m, v| m.max(v.abs())));
+    // All zeros: codes 0, scale 0.
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    x.iter().enumerate().for_each(|(i, &v)| put(i, E::from_f32(v * inv)));
+    scale
+}
+
+/// One scale per cached position of a head, for caches of scaled elements (int8): position s's
+/// is `scales[s / KV_CHUNK * chunk_stride + s % KV_CHUNK]`, chunked as its keys and values are
+/// ([`KV_CHUNK`]), so the heads of a layer can share chunks (`[chunks, heads, KV_CHUNK]`).
+#[derive(Debug, Clone, Copy)]
+pub struct PositionScales<'a> {
+    pub scales: &'a [f32],
+    pub chunk_stride: usize,
+}
+
+impl<'a> PositionScales<'a> {
+    /// The scales of chunk `c`'s positions (those held; at most `KV_CHUNK`).
+    #[inline(always)]
+    fn chunk(&self, c: usize) -> &'a [f32] {
+        let from = c * self.chunk_stride;
+        &self.scales[from..self.scales.len().min(from + KV_CHUNK)]
+    }
+
+    /// Panics unless the scales cover `len` positions and their chunks do not overlap.
+    fn check(&self, len: usize, kernel: &str) {
+        if let Some(last) = len.checked_sub(1) {
+            assert!(last < KV_CHUNK || self.chunk_stride >= KV_CHUNK, "{kernel}: scale chunks overlap");
+            assert!(
+                self.scales.len() > last / KV_CHUNK * self.chunk_stride + last % KV_CHUNK,
+                "{kernel}: scales too short"
+            );
+        }
+    }
+}
+
 /// How a decoder's cache stores keys and values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvPrecision {
@@ -859,6 +986,9 @@ pub enum KvPrecision {
     /// bf16: half the bytes read per cached position, the products and sums still f32. Several
     /// sequences decoded together read their caches from memory (docs/design.md §7.22).
     Bf16,
+    /// int8, one f32 scale per position of a head (`encode_position`): a quarter of f32's bytes
+    /// plus the scales (9/32 of f32 at d = 32), the products and sums still f32.
+    Int8,
 }
 
 impl std::str::FromStr for KvPrecision {
@@ -867,7 +997,8 @@ impl std::str::FromStr for KvPrecision {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Ok(KvPrecision::F32),
             "bf16" => Ok(KvPrecision::Bf16),
-            _ => Err(format!("unknown KV cache precision '{s}' (expected f32 or bf16)")),
+            "int8" => Ok(KvPrecision::Int8),
+            _ => Err(format!("unknown KV cache precision '{s}' (expected f32, bf16 or int8)")),
         }
     }
 }
@@ -1242,35 +1373,71 @@ pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
 }
 
 /// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`, the
-/// keys (f32 or bf16, [`KvElement`]) in chunks as [`KV_CHUNK`] says. The last chunk must be
-/// whole (positions past `p.len()` are read, holding anything finite, and ignored).
-pub fn softmax_scores<E: Element>(q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
-    softmax_scores_at(crate::cpu::BEST_ISA, q, keys, chunk_stride, scale, p)
+/// keys ([`KvElement`]: f32, bf16, or int8 codes with `key_scales`, k_s = codes·scale_s) in chunks
+/// as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()` are read, holding
+/// anything finite, and ignored).
+pub fn softmax_scores<E: Element>(
+    q: &[f32],
+    keys: &[E],
+    key_scales: Option<PositionScales<'_>>,
+    chunk_stride: usize,
+    scale: f32,
+    p: &mut [f32],
+) {
+    softmax_scores_at(crate::cpu::BEST_ISA, q, keys, key_scales, chunk_stride, scale, p)
 }
 
 /// `softmax_scores` with the instruction-set level capped at `isa`.
-pub fn softmax_scores_at<E: Element>(isa: u8, q: &[f32], keys: &[E], chunk_stride: usize, scale: f32, p: &mut [f32]) {
+pub fn softmax_scores_at<E: Element>(
+    isa: u8,
+    q: &[f32],
+    keys: &[E],
+    key_scales: Option<PositionScales<'_>>,
+    chunk_stride: usize,
+    scale: f32,
+    p: &mut [f32],
+) {
     if !p.is_empty() {
         let chunks = p.len().div_ceil(KV_CHUNK);
         assert!(chunks == 1 || chunk_stride >= q.len() * KV_CHUNK, "softmax_scores: chunks overlap");
         assert!(keys.len() >= (chunks - 1) * chunk_stride + q.len() * KV_CHUNK, "softmax_scores: keys too short");
-        dispatch!(isa, softmax_scores(q, keys, chunk_stride, scale, p))
+        if let Some(s) = key_scales {
+            s.check(p.len(), "softmax_scores");
+        }
+        dispatch!(isa, softmax_scores(q, keys, key_scales, chunk_stride, scale, p))
     }
 }
 
-/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features (f32 or bf16) in chunks as
-/// [`KV_CHUNK`] says. The weights may be signed (diff-v1's and diff-v2's `p1 − λ·p2`).
-pub fn weighted_values<E: Element>(p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
-    weighted_values_at(crate::cpu::BEST_ISA, p, values, chunk_stride, out)
+/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features (f32, bf16, or int8 codes with
+/// `value_scales`, v_s = codes·scale_s) in chunks as [`KV_CHUNK`] says. The weights may be signed
+/// (diff-v1's and diff-v2's `p1 − λ·p2`).
+pub fn weighted_values<E: Element>(
+    p: &[f32],
+    values: &[E],
+    value_scales: Option<PositionScales<'_>>,
+    chunk_stride: usize,
+    out: &mut [f32],
+) {
+    weighted_values_at(crate::cpu::BEST_ISA, p, values, value_scales, chunk_stride, out)
 }
 
 /// `weighted_values` with the instruction-set level capped at `isa`.
-pub fn weighted_values_at<E: Element>(isa: u8, p: &[f32], values: &[E], chunk_stride: usize, out: &mut [f32]) {
+pub fn weighted_values_at<E: Element>(
+    isa: u8,
+    p: &[f32],
+    values: &[E],
+    value_scales: Option<PositionScales<'_>>,
+    chunk_stride: usize,
+    out: &mut [f32],
+) {
     if let Some(last) = p.len().checked_sub(1) {
         let dv = out.len();
         assert!(last < KV_CHUNK || chunk_stride >= KV_CHUNK * dv, "weighted_values: chunks overlap");
         assert!(values.len() >= value_offset(last, dv, chunk_stride) + dv, "weighted_values: values too short");
-        dispatch!(isa, weighted_values(p, values, chunk_stride, out))
+        if let Some(s) = value_scales {
+            s.check(p.len(), "weighted_values");
+        }
+        dispatch!(isa, weighted_values(p, values, value_scales, chunk_stride, out))
     }
 }
 
@@ -1387,50 +1554,93 @@ mod tests {
         attention_row_matches_f64_with::<Bf16>();
     }
 
+    #[test]
+    fn attention_row_over_an_int8_cache_matches_f64_of_the_codes_times_their_scales() {
+        attention_row_matches_f64_with::<i8>();
+    }
+
+    #[test]
+    fn int8_positions_hold_their_largest_value_and_a_step_of_it() {
+        let x = [0.5f32, -2.54, 1.0, 0.0, 2.0];
+        let mut codes = [0i8; 5];
+        let scale = encode_position::<i8>(&x, |i, c| codes[i] = c);
+        assert_eq!(scale, 2.54 / 127.0);
+        assert_eq!(codes, [25, -127, 50, 0, 100]);
+        for (c, v) in codes.iter().zip(x) {
+            assert!((*c as f32 * scale - v).abs() <= scale / 2.0 * 1.0001, "{c} {v}");
+        }
+        // Nearest, ties to even; clamped to ±127.
+        let code = <i8 as KvElement>::from_f32;
+        assert_eq!([code(2.5), code(-3.5), code(0.49), code(-126.6), code(200.0)], [2, -4, 0, -127, 127]);
+        // All zeros: codes and scale 0, nothing divided by zero.
+        assert_eq!(encode_position::<i8>(&[0.0; 3], |_, c| assert_eq!(c, 0)), 0.0);
+        // Unscaled elements are written as they are.
+        assert_eq!(encode_position::<f32>(&x, |i, v| assert_eq!(v, x[i])), 1.0);
+    }
+
     /// The kernels over a cache of `E` against f64 sums of the values the cache holds (f32 keys
-    /// and values rounded to `E` when written).
+    /// and values rounded to `E` when written; int8 codes times their position's scale).
     fn attention_row_matches_f64_with<E: KvElement>() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
         // (positions, dk, dv, chunk stride beyond one head's chunk): one position, a partly filled
         // first chunk, whole chunks, whole chunks and a partial one, a head not multiple of 32.
         for &(len, dk, dv, gap) in &[(1, 4, 4, 0), (7, 33, 5, 3), (130, 32, 64, 96), (64, 8, 32, 0), (200, 16, 48, 5)] {
             let q = random(dk, &mut rng);
-            // Keys and values position-major, [s, ..], as the cache holds them.
-            let held = |v: Vec<f32>| -> Vec<E> { v.into_iter().map(E::from_f32).collect() };
-            let (key, value) = (held(random(len * dk, &mut rng)), held(random(len * dv, &mut rng)));
+            // Keys and values position-major, [s, ..], as the cache holds them, and each
+            // position's scale (1 where E is not scaled), spread over two decades.
+            let held = |width: usize, rng: &mut rand::rngs::StdRng| -> (Vec<E>, Vec<f32>) {
+                let (mut codes, mut scales) = (vec![E::default(); len * width], Vec::new());
+                for s in 0..len {
+                    let size = 10f32.powf(rng.random_range(-1.0..1.0));
+                    let x: Vec<f32> = random(width, rng).iter().map(|v| v * size).collect();
+                    scales.push(encode_position::<E>(&x, |i, c| codes[s * width + i] = c));
+                }
+                (codes, scales)
+            };
+            let ((key, key_scale), (value, value_scale)) = (held(dk, &mut rng), held(dv, &mut rng));
             // Chunked as the kernels read them; unused places (the last chunk's tail, gaps
             // between chunks) hold values that would show if read.
             let (key_stride, value_stride) = (dk * KV_CHUNK + gap, dv * KV_CHUNK + gap);
             let chunks = len.div_ceil(KV_CHUNK);
             let mut keys = vec![E::from_f32(1e3); chunks * key_stride];
             let mut values = vec![E::from_f32(f32::NAN); (chunks - 1) * value_stride + KV_CHUNK * dv];
+            // The scales chunked as well ([chunks, KV_CHUNK + gap]), NaN where unused.
+            let scale_stride = KV_CHUNK + gap;
+            let (mut key_scales, mut value_scales) =
+                (vec![f32::NAN; chunks * scale_stride], vec![f32::NAN; chunks * scale_stride]);
             for s in 0..len {
                 for i in 0..dk {
                     keys[key_offset(s, i, key_stride)] = key[s * dk + i];
                 }
                 let at = value_offset(s, dv, value_stride);
                 values[at..at + dv].copy_from_slice(&value[s * dv..(s + 1) * dv]);
+                key_scales[s / KV_CHUNK * scale_stride + s % KV_CHUNK] = key_scale[s];
+                value_scales[s / KV_CHUNK * scale_stride + s % KV_CHUNK] = value_scale[s];
             }
+            let scaled = |scales| E::SCALED.then_some(PositionScales { scales, chunk_stride: scale_stride });
+            let (key_scales, value_scales) = (scaled(&key_scales[..]), scaled(&value_scales[..]));
             let f = |e: E| e.to_f32() as f64;
             let scale = 1.0 / (dk as f64).sqrt();
-            let logits: Vec<f64> =
-                (0..len).map(|s| (0..dk).map(|k| q[k] as f64 * f(key[s * dk + k])).sum::<f64>() * scale).collect();
+            let logits: Vec<f64> = (0..len)
+                .map(|s| (0..dk).map(|k| q[k] as f64 * f(key[s * dk + k])).sum::<f64>() * key_scale[s] as f64 * scale)
+                .collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
             let z: f64 = e.iter().sum();
             let want_p: Vec<f64> = e.iter().map(|v| v / z).collect();
-            let want_o: Vec<f64> =
-                (0..dv).map(|c| (0..len).map(|s| want_p[s] * f(value[s * dv + c])).sum::<f64>() + 0.5).collect();
+            let want_o: Vec<f64> = (0..dv)
+                .map(|c| (0..len).map(|s| want_p[s] * f(value[s * dv + c]) * value_scale[s] as f64).sum::<f64>() + 0.5)
+                .collect();
             for isa in 0..=crate::cpu::BEST_ISA {
                 let mut p = vec![0f32; len];
-                softmax_scores_at(isa, &q, &keys, key_stride, scale as f32, &mut p);
+                softmax_scores_at(isa, &q, &keys, key_scales, key_stride, scale as f32, &mut p);
                 for (g, e) in p.iter().zip(&want_p) {
                     assert!((*g as f64 - e).abs() < 1e-6, "isa {isa} len {len}: p {g} vs {e}");
                 }
                 let mut out = vec![0.5f32; dv]; // accumulates onto what is there
-                weighted_values_at(isa, &p, &values, value_stride, &mut out);
+                weighted_values_at(isa, &p, &values, value_scales, value_stride, &mut out);
                 for (g, e) in out.iter().zip(&want_o) {
-                    assert!((*g as f64 - e).abs() < 1e-5, "isa {isa} len {len}: out {g} vs {e}");
+                    assert!((*g as f64 - e).abs() < 1e-5 * (1.0 + e.abs()), "isa {isa} len {len}: out {g} vs {e}");
                 }
             }
         }

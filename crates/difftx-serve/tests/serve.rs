@@ -232,6 +232,11 @@ async fn a_bf16_kv_cache_serves_and_batches_the_same() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_int8_kv_cache_serves_and_batches_the_same() {
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::Int8, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_passes_serve_the_same_text_alone_or_in_a_batch() {
     batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32, Some(4)).await;
 }
@@ -300,13 +305,15 @@ async fn speculative_decoding_with_ggml_weights_or_no_drafts_is_refused_at_start
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bf16_kv_cache_with_ggml_weights_is_refused_at_start() {
+async fn a_reduced_kv_cache_with_ggml_weights_is_refused_at_start() {
     let root = tempfile::tempdir().unwrap();
     let dir = model_dir(root.path(), Family::DiffV1, 64);
     let weights = ServeWeights::Quantized(difftx_core::WeightFormat::Q8_0);
-    let start = Server::start(&dir, ServeOptions { weights, kv_cache: KvPrecision::Bf16, ..opts() }).await;
-    let err = format!("{:#}", start.err().expect("q8_0 weights with a bf16 KV cache started"));
-    assert!(err.contains("--kv-cache"), "{err}");
+    for (kv_cache, name) in [(KvPrecision::Bf16, "bf16"), (KvPrecision::Int8, "int8")] {
+        let start = Server::start(&dir, ServeOptions { weights, kv_cache, ..opts() }).await;
+        let err = format!("{:#}", start.err().expect("q8_0 weights with a reduced KV cache started"));
+        assert!(err.contains(&format!("--kv-cache {name}")), "{err}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

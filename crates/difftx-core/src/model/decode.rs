@@ -31,8 +31,8 @@ use crate::ops::Kernels;
 use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use difftx_kernels::decode::{
-    key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset, weighted_values,
-    Bf16, KvElement, KvPrecision, PackedWeight, WeightPrecision, KV_CHUNK,
+    encode_position, key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset,
+    weighted_values, Bf16, KvElement, KvPrecision, PackedWeight, PositionScales, WeightPrecision, KV_CHUNK,
 };
 use difftx_kernels::team;
 
@@ -69,25 +69,49 @@ struct LayerWeights {
 /// `difftx_kernels::decode::KV_CHUNK` describes), stored at the decoder's `KvPrecision`. Layer
 /// l's keys are `[chunks, n_kv, d, KV_CHUNK]` (feature-major within a chunk: the scores of its
 /// positions are summed side by side), its values `[chunks, n_kv, KV_CHUNK, d]` (a weighted sum
-/// of rows), so each head's chunk is one contiguous run. The cache grows by appending chunks, its
-/// capacity doubling (up to the context), so nothing is copied or concatenated per token.
+/// of rows), so each head's chunk is one contiguous run; an int8 cache adds one scale per position
+/// of a head for its keys and one for its values, `[chunks, n_kv, KV_CHUNK]`. The cache grows by
+/// appending chunks, its capacity doubling (up to the context), so nothing is copied or
+/// concatenated per token.
 #[derive(Debug, Clone, Default)]
 pub struct SequenceCache {
     len: usize,
     store: KvStore,
 }
 
-/// Every layer's keys (`k[l]`) and values (`v[l]`) of one sequence, as `E`.
+/// Every layer's keys (`k[l]`) and values (`v[l]`) of one sequence, as `E`, and where `E` is
+/// scaled (int8) their positions' scales (`k_scales[l]`, `v_scales[l]`; empty otherwise).
 #[derive(Debug, Clone, Default)]
 struct Layers<E> {
     k: Vec<Vec<E>>,
     v: Vec<Vec<E>>,
+    k_scales: Vec<Vec<f32>>,
+    v_scales: Vec<Vec<f32>>,
+}
+
+impl<E> Layers<E> {
+    fn new(layers: usize) -> Self {
+        fn empty<T>(layers: usize) -> Vec<Vec<T>> {
+            (0..layers).map(|_| Vec::new()).collect()
+        }
+        Layers { k: empty(layers), v: empty(layers), k_scales: empty(layers), v_scales: empty(layers) }
+    }
+
+    fn layer(&self, l: usize) -> LayerCache<'_, E> {
+        LayerCache {
+            keys: &self.k[l],
+            values: &self.v[l],
+            key_scales: &self.k_scales[l],
+            value_scales: &self.v_scales[l],
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 enum KvStore {
     F32(Layers<f32>),
     Bf16(Layers<Bf16>),
+    Int8(Layers<i8>),
 }
 
 impl Default for KvStore {
@@ -101,6 +125,7 @@ impl KvStore {
         match self {
             KvStore::F32(l) => l.k.len(),
             KvStore::Bf16(l) => l.k.len(),
+            KvStore::Int8(l) => l.k.len(),
         }
     }
 
@@ -108,14 +133,16 @@ impl KvStore {
         match self {
             KvStore::F32(_) => KvPrecision::F32,
             KvStore::Bf16(_) => KvPrecision::Bf16,
+            KvStore::Int8(_) => KvPrecision::Int8,
         }
     }
 
     /// Layer l's keys and values.
     fn layer(&self, l: usize) -> LayerKv<'_> {
         match self {
-            KvStore::F32(s) => LayerKv::F32(&s.k[l], &s.v[l]),
-            KvStore::Bf16(s) => LayerKv::Bf16(&s.k[l], &s.v[l]),
+            KvStore::F32(s) => LayerKv::F32(s.layer(l)),
+            KvStore::Bf16(s) => LayerKv::Bf16(s.layer(l)),
+            KvStore::Int8(s) => LayerKv::Int8(s.layer(l)),
         }
     }
 }
@@ -123,8 +150,9 @@ impl KvStore {
 /// One layer's keys and values of one sequence, at the cache's precision.
 #[derive(Clone, Copy)]
 enum LayerKv<'a> {
-    F32(&'a [f32], &'a [f32]),
-    Bf16(&'a [Bf16], &'a [Bf16]),
+    F32(LayerCache<'a, f32>),
+    Bf16(LayerCache<'a, Bf16>),
+    Int8(LayerCache<'a, i8>),
 }
 
 impl SequenceCache {
@@ -150,12 +178,22 @@ impl SequenceCache {
     }
 }
 
-/// One layer's cache of one sequence, as `attend` reads it.
+/// One layer's cache of one sequence, as `attend` reads it (the scales empty unless `E` is
+/// scaled).
 struct LayerCache<'a, E> {
     keys: &'a [E],
     values: &'a [E],
-    len: usize,
+    key_scales: &'a [f32],
+    value_scales: &'a [f32],
 }
+
+// By hand: derived, they would ask `E: Copy`.
+impl<E> Clone for LayerCache<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for LayerCache<'_, E> {}
 
 /// One thread's buffers for attending rows, reused by every row and layer.
 struct Scratch {
@@ -377,13 +415,11 @@ impl Decoder {
 
     /// An empty cache for one sequence of this model.
     pub fn new_sequence(&self) -> SequenceCache {
-        fn empty<E: Clone>(n: usize) -> Layers<E> {
-            Layers { k: vec![Vec::new(); n], v: vec![Vec::new(); n] }
-        }
         let n = self.layers.len();
         let store = match self.kv_precision {
-            KvPrecision::F32 => KvStore::F32(empty(n)),
-            KvPrecision::Bf16 => KvStore::Bf16(empty(n)),
+            KvPrecision::F32 => KvStore::F32(Layers::new(n)),
+            KvPrecision::Bf16 => KvStore::Bf16(Layers::new(n)),
+            KvPrecision::Int8 => KvStore::Int8(Layers::new(n)),
         };
         SequenceCache { len: 0, store }
     }
@@ -403,37 +439,54 @@ impl Decoder {
         h * self.head_dim * KV_CHUNK
     }
 
+    /// Kv head h's positions' scales in a layer's scales (int8 caches).
+    fn head_scales<'a>(&self, scales: &'a [f32], h: usize) -> PositionScales<'a> {
+        PositionScales { scales: &scales[h * KV_CHUNK..], chunk_stride: self.n_kv * KV_CHUNK }
+    }
+
     /// Makes room in `seq` for at least `needed` positions, in whole chunks (the allocation
     /// doubling, capped at the context, so appending is amortised O(1)).
     fn reserve(&self, seq: &mut SequenceCache, needed: usize) {
-        fn grow<E: KvElement>(layers: &mut Layers<E>, values: usize, most: usize) {
-            for layer in layers.k.iter_mut().chain(layers.v.iter_mut()) {
+        fn grow<T: Clone + Default>(layers: &mut [Vec<T>], values: usize, most: usize) {
+            for layer in layers {
                 if values > layer.len() {
                     let capacity = values.max(2 * layer.capacity()).min(most).max(values);
                     layer.reserve_exact(capacity - layer.len());
-                    layer.resize(values, E::default());
+                    layer.resize(values, T::default());
                 }
             }
         }
-        let stride = self.chunk_stride();
-        let values = needed.div_ceil(KV_CHUNK) * stride;
-        let most = self.max_seq_len.div_ceil(KV_CHUNK) * stride;
+        fn grow_all<E: KvElement>(layers: &mut Layers<E>, chunks: usize, most: usize, stride: usize, scales: usize) {
+            grow(&mut layers.k, chunks * stride, most * stride);
+            grow(&mut layers.v, chunks * stride, most * stride);
+            if E::SCALED {
+                grow(&mut layers.k_scales, chunks * scales, most * scales);
+                grow(&mut layers.v_scales, chunks * scales, most * scales);
+            }
+        }
+        let (chunks, most) = (needed.div_ceil(KV_CHUNK), self.max_seq_len.div_ceil(KV_CHUNK));
+        let (stride, scales) = (self.chunk_stride(), self.n_kv * KV_CHUNK);
         match &mut seq.store {
-            KvStore::F32(layers) => grow(layers, values, most),
-            KvStore::Bf16(layers) => grow(layers, values, most),
+            KvStore::F32(layers) => grow_all(layers, chunks, most, stride, scales),
+            KvStore::Bf16(layers) => grow_all(layers, chunks, most, stride, scales),
+            KvStore::Int8(layers) => grow_all(layers, chunks, most, stride, scales),
         }
     }
 
-    /// Writes one position's keys (rotated) and values of layer `l` into `layers`.
+    /// Writes one position's keys (rotated) and values of layer `l` into `layers` (each head's
+    /// scales too, where `E` is scaled).
     fn write_kv<E: KvElement>(&self, layers: &mut Layers<E>, l: usize, pos: usize, keys: &[f32], values: &[f32]) {
         let (d, stride) = (self.head_dim, self.chunk_stride());
         for (h, (k, v)) in keys.chunks_exact(d).zip(values.chunks_exact(d)).enumerate() {
             let head_keys = &mut layers.k[l][self.head_offset(h)..];
-            for (feature, &kv) in k.iter().enumerate() {
-                head_keys[key_offset(pos, feature, stride)] = E::from_f32(kv);
+            let key_scale = encode_position(k, |feature, c| head_keys[key_offset(pos, feature, stride)] = c);
+            let head_values = &mut layers.v[l][self.head_offset(h) + value_offset(pos, d, stride)..][..d];
+            let value_scale = encode_position(v, |i, c| head_values[i] = c);
+            if E::SCALED {
+                let at = pos / KV_CHUNK * self.n_kv * KV_CHUNK + h * KV_CHUNK + pos % KV_CHUNK;
+                layers.k_scales[l][at] = key_scale;
+                layers.v_scales[l][at] = value_scale;
             }
-            let at = self.head_offset(h) + value_offset(pos, d, stride);
-            layers.v[l][at..at + d].iter_mut().zip(v).for_each(|(c, &x)| *c = E::from_f32(x));
         }
     }
 
@@ -598,6 +651,7 @@ impl Decoder {
                 match &mut seq.store {
                     KvStore::F32(layers) => self.write_kv(layers, l, pos[i], k_rot, v),
                     KvStore::Bf16(layers) => self.write_kv(layers, l, pos[i], k_rot, v),
+                    KvStore::Int8(layers) => self.write_kv(layers, l, pos[i], k_rot, v),
                 }
             };
             // Output units `first ..` of row i (out: whole units) over `cache`.
@@ -606,14 +660,9 @@ impl Decoder {
                     let (lambda_logits, len) = (row_parts(i).3, pos[i] + 1);
                     out.fill(0.0);
                     match cache {
-                        LayerKv::F32(keys, values) => {
-                            let cache = LayerCache { keys, values, len };
-                            self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
-                        }
-                        LayerKv::Bf16(keys, values) => {
-                            let cache = LayerCache { keys, values, len };
-                            self.attend(&lw.mix, q, lambda_logits, &cache, first, scratch, out)
-                        }
+                        LayerKv::F32(c) => self.attend(&lw.mix, q, lambda_logits, c, len, first, scratch, out),
+                        LayerKv::Bf16(c) => self.attend(&lw.mix, q, lambda_logits, c, len, first, scratch, out),
+                        LayerKv::Int8(c) => self.attend(&lw.mix, q, lambda_logits, c, len, first, scratch, out),
                     }
                 };
             if write_in_task {
@@ -689,33 +738,41 @@ impl Decoder {
     }
 
     /// Output units `first ..` of one row's attention (`out`: whole units, zeroed) from its
-    /// rotated queries `q` ([n_q, d]) over the first `cache.len` cached positions.
+    /// rotated queries `q` ([n_q, d]) over the first `len` cached positions.
     #[allow(clippy::too_many_arguments)]
     fn attend<E: KvElement>(
         &self,
         mix: &Mix,
         q: &[f32],
         lambda_logits: &[f32],
-        cache: &LayerCache<E>,
+        cache: LayerCache<E>,
+        len: usize,
         first: usize,
         scratch: &mut Scratch,
         out: &mut [f32],
     ) {
         let d = self.head_dim;
-        let (len, stride) = (cache.len, self.chunk_stride());
+        let stride = self.chunk_stride();
         let scale = 1.0 / (d as f32).sqrt();
         let Scratch { p1, p2, pair, .. } = scratch;
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
         let q_head = |i: usize| &q[i * d..(i + 1) * d];
-        // Head h's keys and values, from its part of the first chunk on.
-        let keys = |h: usize| &cache.keys[self.head_offset(h)..];
-        let values = |h: usize| &cache.values[self.head_offset(h)..];
+        // Query head i's attention weights over kv head h into p; p's weighted sum of h's values
+        // added to o.
+        let scores = |i: usize, h: usize, p: &mut [f32]| {
+            let scales = E::SCALED.then(|| self.head_scales(cache.key_scales, h));
+            softmax_scores(q_head(i), &cache.keys[self.head_offset(h)..], scales, stride, scale, p)
+        };
+        let add_values = |p: &[f32], h: usize, o: &mut [f32]| {
+            let scales = E::SCALED.then(|| self.head_scales(cache.value_scales, h));
+            weighted_values(p, &cache.values[self.head_offset(h)..], scales, stride, o)
+        };
         match mix {
             Mix::Baseline => {
                 let group = self.n_q / self.n_kv;
                 for (i, o) in (first..).zip(out.chunks_exact_mut(d)) {
-                    softmax_scores(q_head(i), keys(i / group), stride, scale, p1);
-                    weighted_values(p1, values(i / group), stride, o);
+                    scores(i, i / group, p1);
+                    add_values(p1, i / group, o);
                 }
             }
             Mix::DiffV1 { lambda, out_gain, normalise, eps } => {
@@ -723,14 +780,14 @@ impl Decoder {
                 for (j, o) in (first..).zip(out.chunks_exact_mut(2 * d)) {
                     let (qa, qb) = self.pairing.pair(j, self.n_q);
                     let (ka, kb) = self.pairing.pair(j / group, self.n_kv);
-                    softmax_scores(q_head(qa), keys(ka), stride, scale, p1);
-                    softmax_scores(q_head(qb), keys(kb), stride, scale, p2);
+                    scores(qa, ka, p1);
+                    scores(qb, kb, p2);
                     p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
                     // The pair's value is [v_ka | v_kb] (width 2d).
                     pair.fill(0.0);
                     let (o1, o2) = pair.split_at_mut(d);
-                    weighted_values(p1, values(ka), stride, o1);
-                    weighted_values(p1, values(kb), stride, o2);
+                    add_values(p1, ka, o1);
+                    add_values(p1, kb, o2);
                     if *normalise {
                         rms_norm_rows(pair, out_gain, *eps, o);
                     } else {
@@ -743,10 +800,10 @@ impl Decoder {
                 for (j, o) in (first..).zip(out.chunks_exact_mut(d)) {
                     let lambda = 1.0 / (1.0 + (-lambda_logits[j]).exp());
                     let kv = 2 * j / group;
-                    softmax_scores(q_head(2 * j), keys(kv), stride, scale, p1);
-                    softmax_scores(q_head(2 * j + 1), keys(kv), stride, scale, p2);
+                    scores(2 * j, kv, p1);
+                    scores(2 * j + 1, kv, p2);
                     p1.iter_mut().zip(p2.iter()).for_each(|(a, b)| *a -= lambda * b);
-                    weighted_values(p1, values(kv), stride, o);
+                    add_values(p1, kv, o);
                 }
             }
         }
