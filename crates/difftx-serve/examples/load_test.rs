@@ -47,7 +47,7 @@ struct Args {
     /// f32, bf16, int8, q8_0 or q4k.
     #[arg(long, default_value = "f32")]
     weights: ServeWeights,
-    /// KV cache of the fused decoder: f32 or bf16.
+    /// KV cache of the fused decoder: f32, bf16 or int8.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
     /// Sampling temperature of every request (0: greedy).
