@@ -10,7 +10,7 @@
 //! (cached positions per sequence, default 136: bench-s's mean over a 16-token prompt and 240
 //! generated tokens).
 
-use difftx_kernels::decode::{softmax_scores, weighted_values, Bf16, KV_CHUNK};
+use difftx_kernels::decode::{softmax_scores, weighted_values, Bf16, HeadCache, KV_CHUNK};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -82,8 +82,8 @@ fn main() -> candle_core::Result<()> {
             for (keys, values) in &kv {
                 for h in 0..heads {
                     let at = h * d * KV_CHUNK;
-                    softmax_scores(&q, &keys[at..], None, stride, 0.18, &mut p);
-                    weighted_values(&p, &values[at..], None, stride, &mut out);
+                    softmax_scores(&q, HeadCache::unscaled(&keys[at..], stride), 0.18, &mut p);
+                    weighted_values(&p, HeadCache::unscaled(&values[at..], stride), &mut out);
                 }
             }
         };

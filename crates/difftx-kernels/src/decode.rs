@@ -40,7 +40,7 @@ macro_rules! by_rows {
 
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
-    use super::{Element, PanelElement, PositionScales, KV_CHUNK};
+    use super::{Element, HeadCache, PanelElement, KV_CHUNK};
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
@@ -363,14 +363,8 @@ mod body {
     }
 
     #[inline(always)]
-    pub fn softmax_scores<E: Element, const FMA: bool>(
-        q: &[f32],
-        keys: &[E],
-        key_scales: Option<PositionScales<'_>>,
-        chunk_stride: usize,
-        scale: f32,
-        p: &mut [f32],
-    ) {
+    pub fn softmax_scores<E: Element, const FMA: bool>(q: &[f32], keys: HeadCache<'_, E>, scale: f32, p: &mut [f32]) {
+        let HeadCache { elems: keys, chunk_stride, scales: key_scales } = keys;
         // A partly filled last chunk is scored whole (its unused positions hold zeros or stale
         // keys, finite either way) and only its filled positions kept: by the latency count no
         // slower than a quarter of it in 16-wide blocks, whose two or four sums per feature wait
@@ -415,12 +409,12 @@ mod body {
     #[inline(always)]
     fn sum_rows<E: Element, const FULL: bool, const FMA: bool>(
         p: &[f32],
-        (values, value_scales): (&[E], Option<PositionScales<'_>>),
-        chunk_stride: usize,
+        values: HeadCache<'_, E>,
         dv: usize,
         (off, width): (usize, usize),
     ) -> [f32; VALUE_COLS] {
         let width = if FULL { VALUE_COLS } else { width };
+        let HeadCache { elems: values, chunk_stride, scales: value_scales } = values;
         let (mut even, mut odd) = ([0f32; VALUE_COLS], [0f32; VALUE_COLS]);
         for (c, pc) in p.chunks(KV_CHUNK).enumerate() {
             // Scaled values (int8 codes): each position's weight takes its value's scale.
@@ -458,20 +452,13 @@ mod body {
 
     /// `out += Σ_s p_s·v_s`, `VALUE_COLS` output features at a time.
     #[inline(always)]
-    pub fn weighted_values<E: Element, const FMA: bool>(
-        p: &[f32],
-        values: &[E],
-        value_scales: Option<PositionScales<'_>>,
-        chunk_stride: usize,
-        out: &mut [f32],
-    ) {
+    pub fn weighted_values<E: Element, const FMA: bool>(p: &[f32], values: HeadCache<'_, E>, out: &mut [f32]) {
         let dv = out.len();
         for (oc, off) in out.chunks_mut(VALUE_COLS).zip((0..).step_by(VALUE_COLS)) {
-            let held = (values, value_scales);
             let acc = if oc.len() == VALUE_COLS {
-                sum_rows::<E, true, FMA>(p, held, chunk_stride, dv, (off, VALUE_COLS))
+                sum_rows::<E, true, FMA>(p, values, dv, (off, VALUE_COLS))
             } else {
-                sum_rows::<E, false, FMA>(p, held, chunk_stride, dv, (off, oc.len()))
+                sum_rows::<E, false, FMA>(p, values, dv, (off, oc.len()))
             };
             oc.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
         }
@@ -600,7 +587,7 @@ mod body {
 macro_rules! isa_variants {
     ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
-            use super::{body, Element, PositionScales};
+            use super::{body, Element, HeadCache};
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
                 body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
@@ -610,25 +597,12 @@ macro_rules! isa_variants {
                 body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn softmax_scores<E: Element>(
-                q: &[f32],
-                keys: &[E],
-                key_scales: Option<PositionScales<'_>>,
-                chunk_stride: usize,
-                scale: f32,
-                p: &mut [f32],
-            ) {
-                body::softmax_scores::<E, $fma>(q, keys, key_scales, chunk_stride, scale, p)
+            pub unsafe fn softmax_scores<E: Element>(q: &[f32], keys: HeadCache<'_, E>, scale: f32, p: &mut [f32]) {
+                body::softmax_scores::<E, $fma>(q, keys, scale, p)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn weighted_values<E: Element>(
-                p: &[f32],
-                values: &[E],
-                value_scales: Option<PositionScales<'_>>,
-                chunk_stride: usize,
-                out: &mut [f32],
-            ) {
-                body::weighted_values::<E, $fma>(p, values, value_scales, chunk_stride, out)
+            pub unsafe fn weighted_values<E: Element>(p: &[f32], values: HeadCache<'_, E>, out: &mut [f32]) {
+                body::weighted_values::<E, $fma>(p, values, out)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn swiglu_rows(gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -947,6 +921,31 @@ pub fn encode_position<E: KvElement>(x: &[f32], mut put: impl FnMut(usize, E)) -
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     x.iter().enumerate().for_each(|(i, &v)| put(i, E::from_f32(v * inv)));
     scale
+}
+
+/// One kv head's cached keys (or values) as [`softmax_scores`] and [`weighted_values`] read them:
+/// `elems` from the head's part of the first chunk on, chunk c starting `c · chunk_stride` later
+/// ([`KV_CHUNK`]), and for scaled elements (int8) each position's scale.
+#[derive(Debug)]
+pub struct HeadCache<'a, E> {
+    pub elems: &'a [E],
+    pub chunk_stride: usize,
+    pub scales: Option<PositionScales<'a>>,
+}
+
+// By hand: derived, they would ask `E: Copy`.
+impl<E> Clone for HeadCache<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<E> Copy for HeadCache<'_, E> {}
+
+impl<'a, E> HeadCache<'a, E> {
+    /// A head's elements as they are (f32, bf16): no scales.
+    pub fn unscaled(elems: &'a [E], chunk_stride: usize) -> Self {
+        HeadCache { elems, chunk_stride, scales: None }
+    }
 }
 
 /// One scale per cached position of a head, for caches of scaled elements (int8): position s's
@@ -1373,71 +1372,43 @@ pub fn value_offset(s: usize, dv: usize, chunk_stride: usize) -> usize {
 }
 
 /// One query's attention weights over `p.len()` cached keys: `p_s = softmax_s(q·k_s·scale)`, the
-/// keys ([`KvElement`]: f32, bf16, or int8 codes with `key_scales`, k_s = codes·scale_s) in chunks
-/// as [`KV_CHUNK`] says. The last chunk must be whole (positions past `p.len()` are read, holding
-/// anything finite, and ignored).
-pub fn softmax_scores<E: Element>(
-    q: &[f32],
-    keys: &[E],
-    key_scales: Option<PositionScales<'_>>,
-    chunk_stride: usize,
-    scale: f32,
-    p: &mut [f32],
-) {
-    softmax_scores_at(crate::cpu::BEST_ISA, q, keys, key_scales, chunk_stride, scale, p)
+/// keys ([`KvElement`]: f32, bf16, or int8 codes times their scales) chunked as [`KV_CHUNK`] says,
+/// each chunk `[q.len(), KV_CHUNK]`. The last chunk must be whole (positions past `p.len()` are
+/// read, holding anything finite, and ignored).
+pub fn softmax_scores<E: Element>(q: &[f32], keys: HeadCache<'_, E>, scale: f32, p: &mut [f32]) {
+    softmax_scores_at(crate::cpu::BEST_ISA, q, keys, scale, p)
 }
 
 /// `softmax_scores` with the instruction-set level capped at `isa`.
-pub fn softmax_scores_at<E: Element>(
-    isa: u8,
-    q: &[f32],
-    keys: &[E],
-    key_scales: Option<PositionScales<'_>>,
-    chunk_stride: usize,
-    scale: f32,
-    p: &mut [f32],
-) {
+pub fn softmax_scores_at<E: Element>(isa: u8, q: &[f32], keys: HeadCache<'_, E>, scale: f32, p: &mut [f32]) {
     if !p.is_empty() {
-        let chunks = p.len().div_ceil(KV_CHUNK);
-        assert!(chunks == 1 || chunk_stride >= q.len() * KV_CHUNK, "softmax_scores: chunks overlap");
-        assert!(keys.len() >= (chunks - 1) * chunk_stride + q.len() * KV_CHUNK, "softmax_scores: keys too short");
-        if let Some(s) = key_scales {
+        let (chunks, stride) = (p.len().div_ceil(KV_CHUNK), keys.chunk_stride);
+        assert!(chunks == 1 || stride >= q.len() * KV_CHUNK, "softmax_scores: chunks overlap");
+        assert!(keys.elems.len() >= (chunks - 1) * stride + q.len() * KV_CHUNK, "softmax_scores: keys too short");
+        if let Some(s) = keys.scales {
             s.check(p.len(), "softmax_scores");
         }
-        dispatch!(isa, softmax_scores(q, keys, key_scales, chunk_stride, scale, p))
+        dispatch!(isa, softmax_scores(q, keys, scale, p))
     }
 }
 
-/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features (f32, bf16, or int8 codes with
-/// `value_scales`, v_s = codes·scale_s) in chunks as [`KV_CHUNK`] says. The weights may be signed
-/// (diff-v1's and diff-v2's `p1 − λ·p2`).
-pub fn weighted_values<E: Element>(
-    p: &[f32],
-    values: &[E],
-    value_scales: Option<PositionScales<'_>>,
-    chunk_stride: usize,
-    out: &mut [f32],
-) {
-    weighted_values_at(crate::cpu::BEST_ISA, p, values, value_scales, chunk_stride, out)
+/// `out += Σ_s p_s·v_s`, value `s` being `dv = out.len()` features (f32, bf16, or int8 codes times
+/// their scales) chunked as [`KV_CHUNK`] says, each chunk `[KV_CHUNK, dv]`. The weights may be
+/// signed (diff-v1's and diff-v2's `p1 − λ·p2`).
+pub fn weighted_values<E: Element>(p: &[f32], values: HeadCache<'_, E>, out: &mut [f32]) {
+    weighted_values_at(crate::cpu::BEST_ISA, p, values, out)
 }
 
 /// `weighted_values` with the instruction-set level capped at `isa`.
-pub fn weighted_values_at<E: Element>(
-    isa: u8,
-    p: &[f32],
-    values: &[E],
-    value_scales: Option<PositionScales<'_>>,
-    chunk_stride: usize,
-    out: &mut [f32],
-) {
+pub fn weighted_values_at<E: Element>(isa: u8, p: &[f32], values: HeadCache<'_, E>, out: &mut [f32]) {
     if let Some(last) = p.len().checked_sub(1) {
-        let dv = out.len();
-        assert!(last < KV_CHUNK || chunk_stride >= KV_CHUNK * dv, "weighted_values: chunks overlap");
-        assert!(values.len() >= value_offset(last, dv, chunk_stride) + dv, "weighted_values: values too short");
-        if let Some(s) = value_scales {
+        let (dv, stride) = (out.len(), values.chunk_stride);
+        assert!(last < KV_CHUNK || stride >= KV_CHUNK * dv, "weighted_values: chunks overlap");
+        assert!(values.elems.len() >= value_offset(last, dv, stride) + dv, "weighted_values: values too short");
+        if let Some(s) = values.scales {
             s.check(p.len(), "weighted_values");
         }
-        dispatch!(isa, weighted_values(p, values, value_scales, chunk_stride, out))
+        dispatch!(isa, weighted_values(p, values, out))
     }
 }
 
@@ -1617,8 +1588,13 @@ mod tests {
                 key_scales[s / KV_CHUNK * scale_stride + s % KV_CHUNK] = key_scale[s];
                 value_scales[s / KV_CHUNK * scale_stride + s % KV_CHUNK] = value_scale[s];
             }
-            let scaled = |scales| E::SCALED.then_some(PositionScales { scales, chunk_stride: scale_stride });
-            let (key_scales, value_scales) = (scaled(&key_scales[..]), scaled(&value_scales[..]));
+            let head = |elems, chunk_stride, scales| HeadCache {
+                elems,
+                chunk_stride,
+                scales: E::SCALED.then_some(PositionScales { scales, chunk_stride: scale_stride }),
+            };
+            let (keys, values) =
+                (head(&keys[..], key_stride, &key_scales[..]), head(&values[..], value_stride, &value_scales[..]));
             let f = |e: E| e.to_f32() as f64;
             let scale = 1.0 / (dk as f64).sqrt();
             let logits: Vec<f64> = (0..len)
@@ -1633,12 +1609,12 @@ mod tests {
                 .collect();
             for isa in 0..=crate::cpu::BEST_ISA {
                 let mut p = vec![0f32; len];
-                softmax_scores_at(isa, &q, &keys, key_scales, key_stride, scale as f32, &mut p);
+                softmax_scores_at(isa, &q, keys, scale as f32, &mut p);
                 for (g, e) in p.iter().zip(&want_p) {
                     assert!((*g as f64 - e).abs() < 1e-6, "isa {isa} len {len}: p {g} vs {e}");
                 }
                 let mut out = vec![0.5f32; dv]; // accumulates onto what is there
-                weighted_values_at(isa, &p, &values, value_scales, value_stride, &mut out);
+                weighted_values_at(isa, &p, values, &mut out);
                 for (g, e) in out.iter().zip(&want_o) {
                     assert!((*g as f64 - e).abs() < 1e-5 * (1.0 + e.abs()), "isa {isa} len {len}: out {g} vs {e}");
                 }

@@ -32,7 +32,7 @@ use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use difftx_kernels::decode::{
     encode_position, key_offset, matmul_packed, rms_norm_rows, rope_heads, softmax_scores, swiglu_rows, value_offset,
-    weighted_values, Bf16, KvElement, KvPrecision, PackedWeight, PositionScales, WeightPrecision, KV_CHUNK,
+    weighted_values, Bf16, HeadCache, KvElement, KvPrecision, PackedWeight, PositionScales, WeightPrecision, KV_CHUNK,
 };
 use difftx_kernels::team;
 
@@ -439,9 +439,12 @@ impl Decoder {
         h * self.head_dim * KV_CHUNK
     }
 
-    /// Kv head h's positions' scales in a layer's scales (int8 caches).
-    fn head_scales<'a>(&self, scales: &'a [f32], h: usize) -> PositionScales<'a> {
-        PositionScales { scales: &scales[h * KV_CHUNK..], chunk_stride: self.n_kv * KV_CHUNK }
+    /// Kv head h's part of a layer's keys or values (`elems`) and, where `E` is scaled, of their
+    /// scales.
+    fn head_cache<'a, E: KvElement>(&self, elems: &'a [E], scales: &'a [f32], h: usize) -> HeadCache<'a, E> {
+        let scales =
+            E::SCALED.then(|| PositionScales { scales: &scales[h * KV_CHUNK..], chunk_stride: self.n_kv * KV_CHUNK });
+        HeadCache { elems: &elems[self.head_offset(h)..], chunk_stride: self.chunk_stride(), scales }
     }
 
     /// Makes room in `seq` for at least `needed` positions, in whole chunks (the allocation
@@ -752,7 +755,6 @@ impl Decoder {
         out: &mut [f32],
     ) {
         let d = self.head_dim;
-        let stride = self.chunk_stride();
         let scale = 1.0 / (d as f32).sqrt();
         let Scratch { p1, p2, pair, .. } = scratch;
         let (p1, p2) = (&mut p1[..len], &mut p2[..len]);
@@ -760,12 +762,10 @@ impl Decoder {
         // Query head i's attention weights over kv head h into p; p's weighted sum of h's values
         // added to o.
         let scores = |i: usize, h: usize, p: &mut [f32]| {
-            let scales = E::SCALED.then(|| self.head_scales(cache.key_scales, h));
-            softmax_scores(q_head(i), &cache.keys[self.head_offset(h)..], scales, stride, scale, p)
+            softmax_scores(q_head(i), self.head_cache(cache.keys, cache.key_scales, h), scale, p)
         };
         let add_values = |p: &[f32], h: usize, o: &mut [f32]| {
-            let scales = E::SCALED.then(|| self.head_scales(cache.value_scales, h));
-            weighted_values(p, &cache.values[self.head_offset(h)..], scales, stride, o)
+            weighted_values(p, self.head_cache(cache.values, cache.value_scales, h), o)
         };
         match mix {
             Mix::Baseline => {
