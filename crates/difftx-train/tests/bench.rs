@@ -23,6 +23,17 @@ fn quick_bench_reports_every_part() {
         assert_eq!(runs[2], tps, "{f}: {runs:?}");
         // Its decoder alone ran too (the bench fails if it chose other tokens).
         assert!(r["decode"][f]["tokens_per_sec_alone"].as_f64().unwrap() > 0.0, "{f}");
+        // Several sequences at once, at every cache precision timed, for every batch asked for.
+        for key in [
+            "batched_tokens_per_sec",
+            "batched_tokens_per_sec_bf16_weights_and_kv_cache",
+            "batched_tokens_per_sec_bf16_weights_int8_kv_cache",
+        ] {
+            for b in &opts.decode_batches {
+                let tps = r["decode"][f][key][b.to_string()].as_f64().unwrap_or(0.0);
+                assert!(tps > 0.0 && tps.is_finite(), "{f} {key} {b}: {tps}");
+            }
+        }
         // Speculative decoding ran (it fails the bench if its tokens are not plain decoding's).
         let spec = &r["decode"][f]["speculative"];
         let acceptance = spec["acceptance"].as_f64().unwrap();

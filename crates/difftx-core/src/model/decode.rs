@@ -439,11 +439,16 @@ impl Decoder {
         h * self.head_dim * KV_CHUNK
     }
 
+    /// Scales of one layer's chunk of `KV_CHUNK` positions (int8 caches): every kv head's.
+    fn scale_chunk_stride(&self) -> usize {
+        self.n_kv * KV_CHUNK
+    }
+
     /// Kv head h's part of a layer's keys or values (`elems`) and, where `E` is scaled, of their
     /// scales.
     fn head_cache<'a, E: KvElement>(&self, elems: &'a [E], scales: &'a [f32], h: usize) -> HeadCache<'a, E> {
-        let scales =
-            E::SCALED.then(|| PositionScales { scales: &scales[h * KV_CHUNK..], chunk_stride: self.n_kv * KV_CHUNK });
+        let scales = E::SCALED
+            .then(|| PositionScales { scales: &scales[h * KV_CHUNK..], chunk_stride: self.scale_chunk_stride() });
         HeadCache { elems: &elems[self.head_offset(h)..], chunk_stride: self.chunk_stride(), scales }
     }
 
@@ -468,7 +473,7 @@ impl Decoder {
             }
         }
         let (chunks, most) = (needed.div_ceil(KV_CHUNK), self.max_seq_len.div_ceil(KV_CHUNK));
-        let (stride, scales) = (self.chunk_stride(), self.n_kv * KV_CHUNK);
+        let (stride, scales) = (self.chunk_stride(), self.scale_chunk_stride());
         match &mut seq.store {
             KvStore::F32(layers) => grow_all(layers, chunks, most, stride, scales),
             KvStore::Bf16(layers) => grow_all(layers, chunks, most, stride, scales),
@@ -486,7 +491,8 @@ impl Decoder {
             let head_values = &mut layers.v[l][self.head_offset(h) + value_offset(pos, d, stride)..][..d];
             let value_scale = encode_position(v, |i, c| head_values[i] = c);
             if E::SCALED {
-                let at = pos / KV_CHUNK * self.n_kv * KV_CHUNK + h * KV_CHUNK + pos % KV_CHUNK;
+                // As `head_cache` reads them: head h's scales from h·KV_CHUNK, chunk by chunk.
+                let at = h * KV_CHUNK + pos / KV_CHUNK * self.scale_chunk_stride() + pos % KV_CHUNK;
                 layers.k_scales[l][at] = key_scale;
                 layers.v_scales[l][at] = value_scale;
             }
