@@ -236,6 +236,13 @@ async fn an_int8_kv_cache_serves_and_batches_the_same() {
     batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::Int8, None).await;
 }
 
+/// A speculative pass checks its drafts in one pass over the int8 cache, each row reading the
+/// rows before it as codes: the same text as single steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_passes_over_an_int8_kv_cache_serve_the_same_text() {
+    batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::Int8, Some(4)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_passes_serve_the_same_text_alone_or_in_a_batch() {
     batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32, Some(4)).await;
