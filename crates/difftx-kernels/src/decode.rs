@@ -102,6 +102,23 @@ mod body {
         };
     }
 
+    /// Asks for the lines holding `n` elements from `p` (a hint, as [`prefetch`]).
+    #[inline(always)]
+    fn prefetch_run<E>(p: *const E, n: usize) {
+        for e in (0..n).step_by(64 / std::mem::size_of::<E>()) {
+            prefetch(p.wrapping_add(e));
+        }
+    }
+
+    /// Where a head's chunk c + 1 starts, or past its last chunk (of `len` positions) the next
+    /// head's first chunk, `head_chunk` elements after this head's: what the attention kernels
+    /// ask for while they work on chunk c.
+    #[inline(always)]
+    fn next_chunk<E>(elems: &[E], c: usize, len: usize, chunk_stride: usize, head_chunk: usize) -> *const E {
+        let at = if (c + 1) * KV_CHUNK < len { (c + 1) * chunk_stride } else { head_chunk };
+        elems.as_ptr().wrapping_add(at)
+    }
+
     #[inline(always)]
     fn madd<const FMA: bool>(acc: f32, a: f32, b: f32) -> f32 {
         if FMA {
@@ -349,11 +366,8 @@ mod body {
     #[inline(always)]
     fn score_chunk<E: Element, const FMA: bool>(q: &[f32], chunk: &[E], next: *const E) -> [f32; KV_CHUNK] {
         let mut acc = [0f32; KV_CHUNK];
-        let lines = KV_CHUNK * std::mem::size_of::<E>() / 64;
         for (i, (&qi, k)) in q.iter().zip(chunk.chunks_exact(KV_CHUNK)).enumerate() {
-            for line in 0..lines {
-                prefetch(next.wrapping_add(i * KV_CHUNK + line * 64 / std::mem::size_of::<E>()));
-            }
+            prefetch_run(next.wrapping_add(i * KV_CHUNK), KV_CHUNK);
             let k: &[E; KV_CHUNK] = k.try_into().unwrap();
             for j in 0..KV_CHUNK {
                 acc[j] = madd::<FMA>(acc[j], qi, k[j].to_f32());
@@ -369,16 +383,10 @@ mod body {
         // keys, finite either way) and only its filled positions kept: by the latency count no
         // slower than a quarter of it in 16-wide blocks, whose two or four sums per feature wait
         // on the multiply-add latency, and without the one-position-at-a-time tail there was.
-        let chunk_len = q.len() * KV_CHUNK;
-        let p_len = p.len();
+        let (chunk_len, len) = (q.len() * KV_CHUNK, p.len());
         for (c, pc) in p.chunks_mut(KV_CHUNK).enumerate() {
-            // The next chunk's keys, or past the last one the next head's first chunk.
-            let next = if (c + 1) * KV_CHUNK < p_len { (c + 1) * chunk_stride } else { chunk_len };
-            let acc = score_chunk::<E, FMA>(
-                q,
-                &keys[c * chunk_stride..c * chunk_stride + chunk_len],
-                keys.as_ptr().wrapping_add(next),
-            );
+            let next = next_chunk(keys, c, len, chunk_stride, chunk_len);
+            let acc = score_chunk::<E, FMA>(q, &keys[c * chunk_stride..c * chunk_stride + chunk_len], next);
             match key_scales {
                 None => pc.iter_mut().zip(acc).for_each(|(p, a)| *p = a * scale),
                 Some(s) => pc.iter_mut().zip(acc).zip(s.chunk(c)).for_each(|((p, a), k)| *p = a * k * scale),
@@ -428,16 +436,11 @@ mod body {
                 }
             };
             let rows = &values[c * chunk_stride..c * chunk_stride + pc.len() * dv];
-            // The next chunk's values, or past the last one the next head's first chunk; asked
-            // for by the first block of columns only.
-            let next = if (c + 1) * KV_CHUNK < p.len() { (c + 1) * chunk_stride } else { KV_CHUNK * dv };
-            let next = values.as_ptr().wrapping_add(next);
-            let per_line = 64 / std::mem::size_of::<E>();
+            // Asked for by the first block of columns only.
+            let next = next_chunk(values, c, p.len(), chunk_stride, KV_CHUNK * dv);
             for (k, (w, two)) in pc.chunks_exact(2).zip(rows.chunks_exact(2 * dv)).enumerate() {
                 if off == 0 {
-                    for e in (0..2 * dv).step_by(per_line) {
-                        prefetch(next.wrapping_add(2 * k * dv + e));
-                    }
+                    prefetch_run(next.wrapping_add(2 * k * dv), 2 * dv);
                 }
                 add_row::<E, FMA>(&mut even, w[0], &two[off..off + width]);
                 add_row::<E, FMA>(&mut odd, w[1], &two[dv + off..dv + off + width]);

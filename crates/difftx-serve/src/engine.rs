@@ -137,9 +137,10 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> Result<Self> {
         anyhow::ensure!(opts.max_batch >= 1, "--max-batch must be at least 1");
-        if let (ServeWeights::Quantized(format), KvPrecision::Bf16 | KvPrecision::Int8) = (opts.weights, opts.kv_cache)
-        {
-            anyhow::bail!(
+        // Every cache but f32 is the fused decoder's.
+        if let ServeWeights::Quantized(format) = opts.weights {
+            anyhow::ensure!(
+                opts.kv_cache == KvPrecision::F32,
                 "--kv-cache {} is the fused decoder's cache, which {} weights do not run through: \
                  use --weights f32, bf16 or int8, or --kv-cache f32",
                 format!("{:?}", opts.kv_cache).to_lowercase(),
