@@ -1321,24 +1321,66 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
         });
         return;
     }
-    // Each task fills its own [rows, its columns] block, copied into y afterwards.
-    let mut blocks: Vec<(usize, Vec<f32>)> = (0..panels)
-        .step_by(per_task)
-        .map(|p0| {
-            let cols = ((p0 + per_task).min(panels) * PANEL).min(out) - p0 * PANEL;
-            (p0, vec![0f32; rows * cols])
-        })
-        .collect();
-    crate::team::for_each_mut(&mut blocks, |_, (p0, block)| {
-        let (p0, cols) = (*p0, block.len() / rows);
-        for p in p0..(p0 + per_task).min(panels) {
-            run(p, block, cols, (p - p0) * PANEL);
-        }
+    // Each task fills a [rows, its columns] block of its thread's own (kept between calls: the
+    // kernels write every value before reading it, so it needs no zeroing) and copies it into its
+    // columns of y itself, while it is still in L1; the caller used to allocate, zero and copy
+    // back every block alone, with the helper idle (~6% of a 32-sequence step, design.md §7.31).
+    let y_cols = ColumnsOut { y: y.as_mut_ptr(), rows, ld: out };
+    let mut firsts: Vec<usize> = (0..panels).step_by(per_task).collect();
+    crate::team::for_each_mut(&mut firsts, |_, &mut p0| {
+        let p1 = (p0 + per_task).min(panels);
+        let (c0, cols) = (p0 * PANEL, (p1 * PANEL).min(out) - p0 * PANEL);
+        PRODUCT_BLOCK.with_borrow_mut(|block| {
+            if block.len() < rows * cols {
+                block.resize(rows * cols, 0.0);
+            }
+            let block = &mut block[..rows * cols];
+            for p in p0..p1 {
+                run(p, block, cols, (p - p0) * PANEL);
+            }
+            // SAFETY: the tasks' column ranges [c0, c0 + cols) are disjoint and inside out.
+            unsafe { y_cols.write(block, c0, cols) };
+        });
+        // A long prompt's block is not kept for the steps after it.
+        PRODUCT_BLOCK.with_borrow_mut(|block| {
+            if block.len() > KEPT_BLOCK {
+                *block = Vec::new();
+            }
+        });
     });
-    for (p0, block) in blocks {
-        let (c0, cols) = (p0 * PANEL, block.len() / rows);
-        for r in 0..rows {
-            y[r * out + c0..r * out + c0 + cols].copy_from_slice(&block[r * cols..(r + 1) * cols]);
+}
+
+/// Values of a product task's block kept for the next call (1 MiB; a decode step's largest,
+/// bench-s's 32 rows × 704 columns, is 88 KiB).
+const KEPT_BLOCK: usize = 1 << 18;
+
+thread_local! {
+    /// A product task's block of y in [`matmul_packed`], kept between calls up to [`KEPT_BLOCK`].
+    static PRODUCT_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// y (`[rows, ld]`) as the tasks of a split product see it: each writes its own columns through
+/// [`ColumnsOut::write`], so no task holds a `&mut` to the rows the others write too.
+struct ColumnsOut {
+    y: *mut f32,
+    rows: usize,
+    ld: usize,
+}
+
+// SAFETY: the pointer is only written through `write`, whose callers write disjoint columns.
+unsafe impl Sync for ColumnsOut {}
+
+impl ColumnsOut {
+    /// Copies `block` (`[rows, cols]`) into columns `c0..c0 + cols` of every row.
+    ///
+    /// # Safety
+    /// `c0 + cols <= ld`, and no other thread reads or writes those columns meanwhile.
+    unsafe fn write(&self, block: &[f32], c0: usize, cols: usize) {
+        assert!(c0 + cols <= self.ld && block.len() == self.rows * cols);
+        for (r, src) in block.chunks_exact(cols).enumerate() {
+            // SAFETY: row r's columns c0..c0 + cols lie inside y (rows × ld values, asserted
+            // above) and belong to this caller alone (the contract); `src` is another buffer.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.y.add(r * self.ld + c0), cols) };
         }
     }
 }
@@ -1440,8 +1482,11 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // (rows, in, out): odd widths, one row, widths below and above the 32-lane block, and
         // products large enough to be split across threads: one row into runs of y (704; 257,
-        // whose last task ends in a one-column panel), several rows into blocks.
+        // whose last task ends in a one-column panel), several rows into blocks (each thread's
+        // kept between calls: the largest first, so that a value a kernel failed to write would
+        // show a stale one from before).
         for &(rows, in_dim, out) in &[
+            (16, 256, 768),
             (1, 1, 1),
             (1, 37, 13),
             (3, 31, 5),

@@ -283,6 +283,57 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
+/// Values of a step's element-wise pass (a residual add and norm over `[rows, d_model]`, SwiGLU
+/// over `[rows, d_ff]`) from which its rows are split over the team: at 32 rows of bench-s these
+/// passes on the caller alone kept the helper waiting (design.md §7.31); a split costs a few
+/// hundred nanoseconds, more than a few rows' pass.
+const ELEMENTWISE_SPLIT: usize = 4096;
+
+/// `f(first, runs)` over the rows of `parts` (row-major slices over the same `rows`): on runs
+/// of rows split over the team where there are at least [`ELEMENTWISE_SPLIT`] values in the
+/// widest part, else once over all of them (`first`: the run's first row).
+fn split_rows<const N: usize>(rows: usize, mut parts: [&mut [f32]; N], f: impl Fn(usize, [&mut [f32]; N]) + Sync) {
+    let widest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let threads = team::participants().min(rows);
+    if threads < 2 || widest < ELEMENTWISE_SPLIT {
+        return f(0, parts);
+    }
+    let per = rows.div_ceil(threads);
+    let mut runs: Vec<(usize, [&mut [f32]; N])> = Vec::with_capacity(threads);
+    for first in (0..rows).step_by(per) {
+        let take = per.min(rows - first);
+        let run = std::array::from_fn(|i| {
+            let part = std::mem::take(&mut parts[i]);
+            let (run, rest) = part.split_at_mut(part.len() / (rows - first) * take);
+            parts[i] = rest;
+            run
+        });
+        runs.push((first, run));
+    }
+    team::for_each_mut(&mut runs, |_, (first, run)| f(*first, std::array::from_fn(|i| std::mem::take(&mut run[i]))));
+}
+
+/// `x += delta` (where given), then `h = RMSNorm(x)·gain`, row by row (rows of `gain.len()`).
+fn residual_and_norm(x: &mut [f32], delta: Option<&[f32]>, gain: &[f32], eps: f64, h: &mut [f32]) {
+    let width = gain.len();
+    split_rows(x.len() / width.max(1), [x, h], |first, [x, h]| {
+        if let Some(delta) = delta {
+            add_into(x, &delta[first * width..]);
+        }
+        rms_norm_rows(x, gain, eps, h);
+    });
+}
+
+/// `act = silu(gate)·up` for every row of `gate_up` (`[rows, 2·dff]`: gate, then up).
+fn swiglu_all_rows(gate_up: &[f32], dff: usize, act: &mut [f32]) {
+    split_rows(act.len() / dff.max(1), [act], |first, [act]| {
+        let gate_up = gate_up[first * 2 * dff..].chunks_exact(2 * dff);
+        for (gu, a) in gate_up.zip(act.chunks_exact_mut(dff)) {
+            swiglu_rows(&gu[..dff], &gu[dff..], a);
+        }
+    });
+}
+
 impl Decoder {
     /// Whether `Decoder::new` accepts this model: f32 on the CPU, fused kernels, no quantised
     /// layers and no quantisation probes (those run through `Model::forward`).
@@ -640,8 +691,10 @@ impl Decoder {
         };
         // One thread's scratch serves every layer; split passes make one per thread.
         let mut scratch = new_scratch();
+        if let Some(first) = self.layers.first() {
+            residual_and_norm(&mut x, None, &first.input_norm, self.norm_eps, &mut h);
+        }
         for (l, lw) in self.layers.iter().enumerate() {
-            rms_norm_rows(&x, &lw.input_norm, self.norm_eps, &mut h);
             matmul_packed(&h, &lw.qkv, &mut qkv);
             // Row i's queries, keys, values and (diff-v2) λ-logits.
             let row_parts = |i: usize| {
@@ -707,14 +760,14 @@ impl Decoder {
                 });
             }
             matmul_packed(&att, &lw.o_proj, &mut delta);
-            add_into(&mut x, &delta);
-            rms_norm_rows(&x, &lw.post_norm, self.norm_eps, &mut h);
+            residual_and_norm(&mut x, Some(&delta), &lw.post_norm, self.norm_eps, &mut h);
             matmul_packed(&h, &lw.gate_up, &mut gate_up);
-            for (gu, a) in gate_up.chunks_exact(2 * dff).zip(act.chunks_exact_mut(dff)) {
-                swiglu_rows(&gu[..dff], &gu[dff..], a);
-            }
+            swiglu_all_rows(&gate_up, dff, &mut act);
             matmul_packed(&act, &lw.down, &mut delta);
-            add_into(&mut x, &delta);
+            match self.layers.get(l + 1) {
+                Some(next) => residual_and_norm(&mut x, Some(&delta), &next.input_norm, self.norm_eps, &mut h),
+                None => add_into(&mut x, &delta),
+            }
         }
         for (seq, &g) in seqs.iter_mut().zip(&gained) {
             seq.len += g;
