@@ -40,11 +40,11 @@ macro_rules! by_rows {
 
 /// The generic bodies; `#[inline(always)]` so each ISA wrapper compiles its own copy.
 mod body {
-    use super::{Element, HeadCache, PanelElement, KV_CHUNK};
+    use super::{Element, HeadCache, OutColumns, PanelElement, KV_CHUNK};
     use crate::float::{fast_exp_f32, max_slice, sum_slice};
 
     /// `y[r, col0 + k] = Σ_i x[r, i]·W[i, k]` for one packed panel of w <= 64 columns (laid out as
-    /// [`super::PackedWeight`] says) and every row of x; y has row stride `ld`. The panel is taken
+    /// [`super::PackedWeight`] says) and every row of x, into columns of y. The panel is taken
     /// in chunks of `CHUNK` inputs (16 KiB of f32) that stay in L1 while every row and column
     /// pass uses them, so it is read from memory once per call; with several rows the first row
     /// group's passes also ask for the next chunk, so that memory is read while this one is
@@ -69,19 +69,18 @@ mod body {
         in_dim: usize,
         panel: &[E],
         w: usize,
-        y: &mut [f32],
-        ld: usize,
+        y: &mut OutColumns<'_>,
         col0: usize,
     ) {
         let rows = x.len() / in_dim;
         if w < super::PANEL {
-            return narrow::<E, FMA>(x, in_dim, panel, w, y, ld, col0);
+            return narrow::<E, FMA>(x, in_dim, panel, w, y, col0);
         }
         for i0 in (0..in_dim).step_by(super::CHUNK) {
             let inputs = i0..(i0 + super::CHUNK).min(in_dim);
             let mut r0 = 0;
             while r0 < rows {
-                let at = Chunk { x, in_dim, panel, inputs: inputs.clone(), r0, ld, col0 };
+                let at = Chunk { x, in_dim, panel, inputs: inputs.clone(), r0, col0 };
                 r0 += match rows - r0 {
                     left if left >= RG => chunk::<E, RG, CB, FMA, WIDE>(at, y),
                     1 => chunk::<E, 1, { super::PANEL }, FMA, WIDE>(at, y),
@@ -129,14 +128,13 @@ mod body {
     }
 
     /// Where one call of [`chunk`] works: rows r0.. of `x` (`[rows, in_dim]`) over the panel's
-    /// `inputs`, into the panel's columns from `col0` of `y` (row stride `ld`).
+    /// `inputs`, into the panel's 64 columns from `col0` of `y`.
     struct Chunk<'a, E> {
         x: &'a [f32],
         in_dim: usize,
         panel: &'a [E],
         inputs: std::ops::Range<usize>,
         r0: usize,
-        ld: usize,
         col0: usize,
     }
 
@@ -164,7 +162,7 @@ mod body {
     #[inline(always)]
     fn chunk<E: PanelElement, const R: usize, const CB: usize, const FMA: bool, const WIDE: u8>(
         at: Chunk<'_, E>,
-        y: &mut [f32],
+        y: &mut OutColumns<'_>,
     ) -> usize {
         #[cfg(target_arch = "x86_64")]
         match WIDE {
@@ -178,13 +176,13 @@ mod body {
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
         let (xs, blocks, len) = at.rows_and_blocks::<R>();
-        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
+        let (r0, first) = (at.r0, at.inputs.start == 0);
+        let mut rows = y.rows_mut::<R>(r0, at.col0, C);
         for c in (0..C).step_by(CB) {
             let mut acc = [[0f32; CB]; R];
             if !first {
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let at = (r0 + r) * ld + col0 + c;
-                    a.copy_from_slice(&y[at..at + CB]);
+                for (a, row) in acc.iter_mut().zip(&rows) {
+                    a.copy_from_slice(&row[c..c + CB]);
                 }
             }
             // The CB / G groups of G columns this pass reads (of the chunk's C / G).
@@ -210,9 +208,8 @@ mod body {
                     }
                 }
             }
-            for (r, a) in acc.iter().enumerate() {
-                let at = (r0 + r) * ld + col0 + c;
-                y[at..at + CB].copy_from_slice(a);
+            for (a, row) in acc.iter().zip(rows.iter_mut()) {
+                row[c..c + CB].copy_from_slice(a);
             }
         }
         R
@@ -228,24 +225,17 @@ mod body {
     /// The CPU must have AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn avx512_chunk<E: PanelElement, const R: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
+    unsafe fn avx512_chunk<E: PanelElement, const R: usize>(at: Chunk<'_, E>, y: &mut OutColumns<'_>) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         const GROUPS: usize = C / G;
         let b = E::BLOCK;
         let (xs, blocks, len) = at.rows_and_blocks::<R>();
-        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
+        let (r0, first) = (at.r0, at.inputs.start == 0);
         // Group j: columns 16j..16j + 16.
         let runs: [&[E]; GROUPS] = std::array::from_fn(|j| group_run(blocks, len, j * G));
-        let rows: [&mut [f32]; R] = {
-            let mut rest = &mut y[r0 * ld + col0..];
-            std::array::from_fn(|r| {
-                let (row, tail) = std::mem::take(&mut rest).split_at_mut(if r + 1 < R { ld } else { C });
-                rest = tail;
-                &mut row[..C]
-            })
-        };
+        let rows = y.rows_mut::<R>(r0, at.col0, C);
         // SAFETY (every intrinsic below): AVX-512F is present (the caller's contract); loads and
         // stores stay inside `rows` (64 floats each) and `runs` (slices checked by indexing).
         unsafe {
@@ -288,26 +278,29 @@ mod body {
     /// The CPU must have AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn avx2_chunk<E: PanelElement, const R: usize, const CB: usize>(at: Chunk<'_, E>, y: &mut [f32]) -> usize {
+    unsafe fn avx2_chunk<E: PanelElement, const R: usize, const CB: usize>(
+        at: Chunk<'_, E>,
+        y: &mut OutColumns<'_>,
+    ) -> usize {
         use std::arch::x86_64::*;
         const C: usize = super::PANEL;
         const G: usize = super::WIDEN;
         let b = E::BLOCK;
         let (xs, blocks, len) = at.rows_and_blocks::<R>();
-        let (r0, ld, col0, first) = (at.r0, at.ld, at.col0, at.inputs.start == 0);
+        let (r0, first) = (at.r0, at.inputs.start == 0);
+        let mut rows = y.rows_mut::<R>(r0, at.col0, C);
         for c in (0..C).step_by(CB) {
             // The CB / G groups of G columns this pass reads, as in `chunk`.
             let runs: [&[E]; C / G] =
                 std::array::from_fn(|j| if j < CB / G { group_run(blocks, len, c + j * G) } else { &[] });
-            let at = |r: usize| (r0 + r) * ld + col0 + c;
             // SAFETY (every intrinsic below): AVX2 and FMA are present (the caller's contract);
             // loads and stores go through slices of CB floats of y and G weights of a run.
             unsafe {
                 // Register 2g + h of a row: columns c + 16g + 8h.. + 8; only the first CB / 8 used.
                 let mut acc = [[_mm256_setzero_ps(); C / 8]; R];
                 if !first {
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let row = &y[at(r)..at(r) + CB];
+                    for (a, row) in acc.iter_mut().zip(&rows) {
+                        let row = &row[c..c + CB];
                         for (k, v) in a.iter_mut().take(CB / 8).enumerate() {
                             *v = _mm256_loadu_ps(row[8 * k..].as_ptr());
                         }
@@ -327,8 +320,8 @@ mod body {
                         }
                     }
                 }
-                for (r, a) in acc.iter().enumerate() {
-                    let row = &mut y[at(r)..at(r) + CB];
+                for (a, row) in acc.iter().zip(rows.iter_mut()) {
+                    let row = &mut row[c..c + CB];
                     for (k, v) in a.iter().take(CB / 8).enumerate() {
                         _mm256_storeu_ps(row[8 * k..8 * k + 8].as_mut_ptr(), *v);
                     }
@@ -346,12 +339,11 @@ mod body {
         in_dim: usize,
         panel: &[E],
         w: usize,
-        y: &mut [f32],
-        ld: usize,
+        y: &mut OutColumns<'_>,
         col0: usize,
     ) {
         for (r, xr) in x.chunks_exact(in_dim).enumerate() {
-            let yr = &mut y[r * ld + col0..r * ld + col0 + w];
+            let yr = &mut y.row(r)[col0..col0 + w];
             yr.fill(0.0);
             for (wi, &xv) in panel.chunks_exact(w).zip(xr) {
                 for (yv, &wv) in yr.iter_mut().zip(wi) {
@@ -474,15 +466,8 @@ mod body {
     /// [`super::pairs_native`] where the CPU lacks it. Chunks of `CHUNK_PAIRS` pairs stay in L1
     /// while every group of up to 4 rows uses them; the sums carry over chunks through y.
     #[inline(always)]
-    pub fn panel_pairs<const FMA: bool>(
-        xp: &[u32],
-        pairs: usize,
-        panel: &[u32],
-        y: &mut [f32],
-        ld: usize,
-        col0: usize,
-    ) {
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| by_rows!(at, y, pair_rows, FMA))
+    pub fn panel_pairs<const FMA: bool>(xp: &[u32], pairs: usize, panel: &[u32], y: &mut OutColumns<'_>, col0: usize) {
+        pair_chunks(xp, pairs, panel, y, col0, |at, y| by_rows!(at, y, pair_rows, FMA))
     }
 
     /// The loop every pair kernel runs: chunk by chunk, the rows in groups handed to `group`
@@ -492,30 +477,28 @@ mod body {
         xp: &[u32],
         pairs: usize,
         panel: &[u32],
-        y: &mut [f32],
-        ld: usize,
+        y: &mut OutColumns<'_>,
         col0: usize,
-        mut group: impl FnMut(PairRows<'_>, &mut [f32]) -> usize,
+        mut group: impl FnMut(PairRows<'_>, &mut OutColumns<'_>) -> usize,
     ) {
         let rows = xp.len() / pairs;
         for p0 in (0..pairs).step_by(super::CHUNK_PAIRS) {
             let chunk = p0..(p0 + super::CHUNK_PAIRS).min(pairs);
             let mut r0 = 0;
             while r0 < rows {
-                r0 += group(PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, ld, col0 }, y);
+                r0 += group(PairRows { xp, pairs, panel, chunk: chunk.clone(), r0, col0 }, y);
             }
         }
     }
 
     /// Where one call of [`pair_rows`] works: rows r0.. of `xp` over the pairs `chunk` of
-    /// `panel`, into the panel's 64 columns from `col0` of `y` (row stride `ld`).
+    /// `panel`, into the panel's 64 columns from `col0` of `y`.
     pub(super) struct PairRows<'a> {
         pub(super) xp: &'a [u32],
         pub(super) pairs: usize,
         pub(super) panel: &'a [u32],
         pub(super) chunk: std::ops::Range<usize>,
         pub(super) r0: usize,
-        pub(super) ld: usize,
         pub(super) col0: usize,
     }
 
@@ -525,17 +508,11 @@ mod body {
             self.xp.len() / self.pairs - self.r0
         }
 
-        /// Where each of rows r0..r0 + R starts in y, after checking that R rows of 64 columns
-        /// fit in y and the chunk in the panel and in xp (the SIMD kernels read and write
-        /// through unchecked pointers).
-        pub(super) fn checked_rows<const R: usize>(&self, y_len: usize) -> [usize; R] {
-            let starts = std::array::from_fn(|r| (self.r0 + r) * self.ld + self.col0);
-            assert!(
-                starts[R - 1] + super::PANEL <= y_len
-                    && self.chunk.end * super::PANEL <= self.panel.len()
-                    && (self.r0 + R) * self.pairs <= self.xp.len()
-            );
-            starts
+        /// Rows r0..r0 + R of y cut to the panel's 64 columns, after checking that the chunk
+        /// lies in the panel and in xp (the SIMD kernels read them through unchecked pointers).
+        pub(super) fn checked_rows<'y, const R: usize>(&self, y: &'y mut OutColumns<'_>) -> [&'y mut [f32]; R] {
+            assert!(self.chunk.end * super::PANEL <= self.panel.len() && (self.r0 + R) * self.pairs <= self.xp.len());
+            y.rows_mut::<R>(self.r0, self.col0, super::PANEL)
         }
     }
 
@@ -547,14 +524,14 @@ mod body {
 
     /// Rows r0..r0 + R of [`panel_pairs`] over one chunk; returns R.
     #[inline(always)]
-    fn pair_rows<const R: usize, const FMA: bool>(at: PairRows<'_>, y: &mut [f32]) -> usize {
+    fn pair_rows<const R: usize, const FMA: bool>(at: PairRows<'_>, y: &mut OutColumns<'_>) -> usize {
         const C: usize = super::PANEL;
-        let starts = at.checked_rows::<R>(y.len());
+        let rows = at.checked_rows::<R>(y);
         let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         let mut acc = [[0f32; C]; R];
         if chunk.start > 0 {
-            for (a, &at) in acc.iter_mut().zip(&starts) {
-                a.copy_from_slice(&y[at..at + C]);
+            for (a, row) in acc.iter_mut().zip(&rows) {
+                a.copy_from_slice(row);
             }
         }
         for p in chunk {
@@ -570,8 +547,8 @@ mod body {
                 }
             }
         }
-        for (a, &at) in acc.iter().zip(&starts) {
-            y[at..at + C].copy_from_slice(a);
+        for (a, row) in acc.iter().zip(rows) {
+            row.copy_from_slice(a);
         }
         R
     }
@@ -590,14 +567,14 @@ mod body {
 macro_rules! isa_variants {
     ($m:ident, $fma:literal, $wide:literal, $rg:literal, $cb:literal, $cb2:literal $(, $feat:literal)?) => {
         mod $m {
-            use super::{body, Element, HeadCache};
+            use super::{body, Element, HeadCache, OutColumns};
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+            pub unsafe fn panel(x: &[f32], in_dim: usize, p: &[f32], w: usize, y: &mut OutColumns<'_>, col0: usize) {
+                body::panel::<f32, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, col0)
             }
             $(#[target_feature(enable = $feat)])?
-            pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut [f32], ld: usize, col0: usize) {
-                body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, ld, col0)
+            pub unsafe fn panel_i8(x: &[f32], in_dim: usize, p: &[i8], w: usize, y: &mut OutColumns<'_>, col0: usize) {
+                body::panel::<i8, $fma, $wide, $rg, $cb, $cb2>(x, in_dim, p, w, y, col0)
             }
             $(#[target_feature(enable = $feat)])?
             pub unsafe fn softmax_scores<E: Element>(q: &[f32], keys: HeadCache<'_, E>, scale: f32, p: &mut [f32]) {
@@ -642,6 +619,7 @@ macro_rules! dispatch {
 #[cfg(target_arch = "x86_64")]
 mod pairs_native {
     use super::body::{pair_chunks, PairRows};
+    use super::OutColumns;
     use std::arch::x86_64::*;
 
     /// [`body::panel_pairs`](super::body::panel_pairs) by `vdpbf16ps`.
@@ -649,9 +627,9 @@ mod pairs_native {
     /// # Safety
     /// The CPU must have AVX512F and AVX512_BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
+    pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut OutColumns<'_>, col0: usize) {
         // SAFETY: the caller's contract.
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe { by_rows!(at, y, rows_dp) })
+        pair_chunks(xp, pairs, panel, y, col0, |at, y| unsafe { by_rows!(at, y, rows_dp) })
     }
 
     /// How far ahead (in pairs of inputs, 256 bytes each) [`rows_dp`] asks for the panel: with
@@ -663,19 +641,18 @@ mod pairs_native {
     /// Rows r0..r0 + R over one chunk, the 64 columns' sums of each row in four registers.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn rows_dp<const R: usize>(at: PairRows<'_>, y: &mut [f32]) -> usize {
+    unsafe fn rows_dp<const R: usize>(at: PairRows<'_>, y: &mut OutColumns<'_>) -> usize {
         const C: usize = super::PANEL;
-        let starts = at.checked_rows::<R>(y.len());
-        let row = |r: usize| starts[r];
+        let mut rows = at.checked_rows::<R>(y);
         let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         // SAFETY (every intrinsic below): the features are the caller's contract; y's rows hold 64
-        // floats from row(r), the panel 64 pairs per pair index, xp `pairs` per row (checked).
+        // floats, the panel 64 pairs per pair index, xp `pairs` per row (checked).
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); 4]; R];
             if chunk.start > 0 {
-                for (r, a) in acc.iter_mut().enumerate() {
+                for (a, row) in acc.iter_mut().zip(&rows) {
                     for (g, v) in a.iter_mut().enumerate() {
-                        *v = _mm512_loadu_ps(y.as_ptr().add(row(r) + 16 * g));
+                        *v = _mm512_loadu_ps(row[16 * g..16 * g + 16].as_ptr());
                     }
                 }
             }
@@ -699,9 +676,9 @@ mod pairs_native {
                     }
                 }
             }
-            for (r, a) in acc.iter().enumerate() {
+            for (a, row) in acc.iter().zip(rows.iter_mut()) {
                 for (g, v) in a.iter().enumerate() {
-                    _mm512_storeu_ps(y.as_mut_ptr().add(row(r) + 16 * g), *v);
+                    _mm512_storeu_ps(row[16 * g..16 * g + 16].as_mut_ptr(), *v);
                 }
             }
         }
@@ -716,22 +693,22 @@ mod pairs_native {
 #[cfg(target_arch = "x86_64")]
 mod pairs_avx2 {
     use super::body::{pair_chunks, PairRows};
+    use super::OutColumns;
     use std::arch::x86_64::*;
 
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
+    pub(super) unsafe fn panel_pairs(xp: &[u32], pairs: usize, panel: &[u32], y: &mut OutColumns<'_>, col0: usize) {
         // SAFETY: the caller's contract.
-        pair_chunks(xp, pairs, panel, y, ld, col0, |at, y| unsafe { by_rows!(at, y, rows_fma) })
+        pair_chunks(xp, pairs, panel, y, col0, |at, y| unsafe { by_rows!(at, y, rows_fma) })
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_fma<const R: usize>(at: PairRows<'_>, y: &mut [f32]) -> usize {
+    unsafe fn rows_fma<const R: usize>(at: PairRows<'_>, y: &mut OutColumns<'_>) -> usize {
         const C: usize = super::PANEL;
-        let starts = at.checked_rows::<R>(y.len());
-        let row = |r: usize| starts[r];
+        let mut rows = at.checked_rows::<R>(y);
         let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
         let halves = |pair: u32| (f32::from_bits(pair << 16), f32::from_bits(pair & 0xffff_0000));
         // SAFETY (every intrinsic below): the features are the caller's contract; the bounds as
@@ -741,9 +718,9 @@ mod pairs_avx2 {
             for c in (0..C).step_by(16) {
                 let mut acc = [[_mm256_setzero_ps(); 2]; R];
                 if chunk.start > 0 {
-                    for (r, a) in acc.iter_mut().enumerate() {
+                    for (a, row) in acc.iter_mut().zip(&rows) {
                         for (h, v) in a.iter_mut().enumerate() {
-                            *v = _mm256_loadu_ps(y.as_ptr().add(row(r) + c + 8 * h));
+                            *v = _mm256_loadu_ps(row[c + 8 * h..c + 8 * h + 8].as_ptr());
                         }
                     }
                 }
@@ -761,9 +738,9 @@ mod pairs_avx2 {
                         }
                     }
                 }
-                for (r, a) in acc.iter().enumerate() {
+                for (a, row) in acc.iter().zip(rows.iter_mut()) {
                     for (h, v) in a.iter().enumerate() {
-                        _mm256_storeu_ps(y.as_mut_ptr().add(row(r) + c + 8 * h), *v);
+                        _mm256_storeu_ps(row[c + 8 * h..c + 8 * h + 8].as_mut_ptr(), *v);
                     }
                 }
             }
@@ -1201,20 +1178,20 @@ fn bf16_rows(x: &[f32], in_dim: usize, native: bool) -> Vec<u32> {
 /// `col0..col0 + 64`: by `vdpbf16ps` where `native`, else the same sums by AVX2 FMA (from level
 /// 1 up) or plain code.
 #[allow(clippy::too_many_arguments)]
-fn pairs_panel(isa: u8, native: bool, xp: &[u32], pairs: usize, panel: &[u32], y: &mut [f32], ld: usize, col0: usize) {
+fn pairs_panel(isa: u8, native: bool, xp: &[u32], pairs: usize, panel: &[u32], y: &mut OutColumns<'_>, col0: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         if native {
             // SAFETY: native implies AVX512F and AVX512_BF16 (matmul_packed_at checked them).
-            return unsafe { pairs_native::panel_pairs(xp, pairs, panel, y, ld, col0) };
+            return unsafe { pairs_native::panel_pairs(xp, pairs, panel, y, col0) };
         }
         if crate::cpu::isa_level(isa) >= 1 {
             // SAFETY: isa_level returned 1 or 2 only after checking the CPU has AVX2 and FMA.
-            return unsafe { pairs_avx2::panel_pairs(xp, pairs, panel, y, ld, col0) };
+            return unsafe { pairs_avx2::panel_pairs(xp, pairs, panel, y, col0) };
         }
     }
     // Baseline x86-64 (or another architecture): no FMA, as the other baseline kernels.
-    body::panel_pairs::<false>(xp, pairs, panel, y, ld, col0)
+    body::panel_pairs::<false>(xp, pairs, panel, y, col0)
 }
 
 /// (output column, input) of each position of a [`PackedWeight`] in turn, its chunks in blocks of
@@ -1279,109 +1256,96 @@ pub fn matmul_packed_at(isa: u8, x: &[f32], w: &PackedWeight, y: &mut [f32]) {
     let native =
         crate::cpu::isa_level(isa) == 2 && crate::bf16_matmul::bf16_backend_available(crate::Bf16Backend::Avx512Bf16);
     let rounded = if let PackedData::Bf16(_) = w.data { bf16_rows(x, in_dim, native) } else { Vec::new() };
-    let run = |p: usize, y: &mut [f32], ld: usize, col0: usize| {
+    // Panel p into `y`'s columns from `col0`.
+    let run = |p: usize, y: &mut OutColumns<'_>, col0: usize| {
         let (range, width) = w.panel_range(p);
         match &w.data {
-            PackedData::F32(d) => dispatch!(isa, panel(x, in_dim, &d[range], width, y, ld, col0)),
+            PackedData::F32(d) => dispatch!(isa, panel(x, in_dim, &d[range], width, y, col0)),
             PackedData::Bf16(d) => {
                 let (panel, pairs) = (&d[range], in_dim.div_ceil(2));
                 if width == PANEL {
-                    pairs_panel(isa, native, &rounded, pairs, panel, y, ld, col0);
+                    pairs_panel(isa, native, &rounded, pairs, panel, y, col0);
                 } else {
                     // The last panel, padded to 64 columns: computed aside, its columns copied.
                     let mut full = vec![0f32; rows * PANEL];
-                    pairs_panel(isa, native, &rounded, pairs, panel, &mut full, PANEL, 0);
+                    pairs_panel(isa, native, &rounded, pairs, panel, &mut OutColumns::whole(&mut full, rows), 0);
                     for (r, f) in full.chunks_exact(PANEL).enumerate() {
-                        y[r * ld + col0..r * ld + col0 + width].copy_from_slice(&f[..width]);
+                        y.row(r)[col0..col0 + width].copy_from_slice(&f[..width]);
                     }
                 }
             }
             PackedData::Int8(d, scales) => {
-                dispatch!(isa, panel_i8(x, in_dim, &d[range], width, y, ld, col0));
+                dispatch!(isa, panel_i8(x, in_dim, &d[range], width, y, col0));
                 let scales = &scales[p * PANEL..p * PANEL + width];
                 for r in 0..rows {
-                    y[r * ld + col0..r * ld + col0 + width].iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
+                    y.row(r)[col0..col0 + width].iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
                 }
             }
         }
     };
-    if per_task >= panels {
-        for p in 0..panels {
-            run(p, y, out, p * PANEL);
+    // Each task writes its run of panels' columns of every row of y in place (no blocks of its
+    // own to zero and copy back: those were ~6% of a 32-sequence step, design.md §7.31).
+    let mut parts = OutColumns::split(y, rows, per_task * PANEL);
+    crate::team::for_each_mut(&mut parts, |t, part| {
+        for p in t * per_task..((t + 1) * per_task).min(panels) {
+            run(p, part, (p - t * per_task) * PANEL);
         }
-        return;
-    }
-    if rows == 1 {
-        // One row: each task's columns are a run of y of their own.
-        let mut parts: Vec<&mut [f32]> = y.chunks_mut(per_task * PANEL).collect();
-        crate::team::for_each_mut(&mut parts, |t, part| {
-            for p in t * per_task..((t + 1) * per_task).min(panels) {
-                run(p, part, part.len(), (p - t * per_task) * PANEL);
-            }
-        });
-        return;
-    }
-    // Each task fills a [rows, its columns] block of its thread's own (kept between calls: the
-    // kernels write every value before reading it, so it needs no zeroing) and copies it into its
-    // columns of y itself, while it is still in L1; the caller used to allocate, zero and copy
-    // back every block alone, with the helper idle (~6% of a 32-sequence step, design.md §7.31).
-    let y_cols = ColumnsOut { y: y.as_mut_ptr(), rows, ld: out };
-    let mut firsts: Vec<usize> = (0..panels).step_by(per_task).collect();
-    crate::team::for_each_mut(&mut firsts, |_, &mut p0| {
-        let p1 = (p0 + per_task).min(panels);
-        let (c0, cols) = (p0 * PANEL, (p1 * PANEL).min(out) - p0 * PANEL);
-        PRODUCT_BLOCK.with_borrow_mut(|block| {
-            if block.len() < rows * cols {
-                block.resize(rows * cols, 0.0);
-            }
-            let block = &mut block[..rows * cols];
-            for p in p0..p1 {
-                run(p, block, cols, (p - p0) * PANEL);
-            }
-            // SAFETY: the tasks' column ranges [c0, c0 + cols) are disjoint and inside out.
-            unsafe { y_cols.write(block, c0, cols) };
-        });
-        // A long prompt's block is not kept for the steps after it.
-        PRODUCT_BLOCK.with_borrow_mut(|block| {
-            if block.len() > KEPT_BLOCK {
-                *block = Vec::new();
-            }
-        });
     });
 }
 
-/// Values of a product task's block kept for the next call (1 MiB; a decode step's largest,
-/// bench-s's 32 rows × 704 columns, is 88 KiB).
-const KEPT_BLOCK: usize = 1 << 18;
-
-thread_local! {
-    /// A product task's block of y in [`matmul_packed`], kept between calls up to [`KEPT_BLOCK`].
-    static PRODUCT_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// y (`[rows, ld]`) as the tasks of a split product see it: each writes its own columns through
-/// [`ColumnsOut::write`], so no task holds a `&mut` to the rows the others write too.
-struct ColumnsOut {
-    y: *mut f32,
+/// Columns `first..first + cols` of every row of a row-major `[rows, ld]` output: what one task
+/// of a split product writes. The views [`OutColumns::split`] makes of one output cover
+/// disjoint columns, so each hands out `&mut` rows of its own columns while the others exist.
+pub(crate) struct OutColumns<'a> {
+    /// Row 0's first column.
+    ptr: *mut f32,
     rows: usize,
     ld: usize,
+    cols: usize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
 }
 
-// SAFETY: the pointer is only written through `write`, whose callers write disjoint columns.
-unsafe impl Sync for ColumnsOut {}
+// SAFETY: a view is the only way to its columns (they are disjoint from any other view's of the
+// same output, and the output stays borrowed for 'a), so it can move to another thread as a
+// `&mut [f32]` can.
+unsafe impl Send for OutColumns<'_> {}
 
-impl ColumnsOut {
-    /// Copies `block` (`[rows, cols]`) into columns `c0..c0 + cols` of every row.
-    ///
-    /// # Safety
-    /// `c0 + cols <= ld`, and no other thread reads or writes those columns meanwhile.
-    unsafe fn write(&self, block: &[f32], c0: usize, cols: usize) {
-        assert!(c0 + cols <= self.ld && block.len() == self.rows * cols);
-        for (r, src) in block.chunks_exact(cols).enumerate() {
-            // SAFETY: row r's columns c0..c0 + cols lie inside y (rows × ld values, asserted
-            // above) and belong to this caller alone (the contract); `src` is another buffer.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.y.add(r * self.ld + c0), cols) };
-        }
+impl<'a> OutColumns<'a> {
+    /// All of `y` (`rows` rows, at least one).
+    pub(crate) fn whole(y: &'a mut [f32], rows: usize) -> Self {
+        let ld = y.len() / rows;
+        assert_eq!(ld * rows, y.len(), "OutColumns: {} values are not {rows} rows", y.len());
+        OutColumns { ptr: y.as_mut_ptr(), rows, ld, cols: ld, _out: std::marker::PhantomData }
+    }
+
+    /// `y` (`rows` rows, at least one) cut into runs of `width` columns (the last what is left).
+    pub(crate) fn split(y: &'a mut [f32], rows: usize, width: usize) -> Vec<Self> {
+        let whole = Self::whole(y, rows);
+        let ld = whole.ld;
+        (0..ld)
+            .step_by(width.max(1))
+            .map(|c0| OutColumns {
+                // SAFETY: c0 < ld, so the pointer stays inside y.
+                ptr: unsafe { whole.ptr.add(c0) },
+                cols: width.min(ld - c0),
+                ..whole
+            })
+            .collect()
+    }
+
+    /// Row r's columns of this view.
+    pub(crate) fn row(&mut self, r: usize) -> &mut [f32] {
+        assert!(r < self.rows, "OutColumns: row {r} of {}", self.rows);
+        // SAFETY: row r's `cols` values from `ptr + r·ld` lie inside the output (cols <= ld -
+        // the view's first column) and belong to this view alone; `&mut self` keeps them unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.ld), self.cols) }
+    }
+
+    /// Rows r0..r0 + R, each cut to columns `c0..c0 + n` of this view.
+    pub(crate) fn rows_mut<const R: usize>(&mut self, r0: usize, c0: usize, n: usize) -> [&mut [f32]; R] {
+        assert!(r0 + R <= self.rows && c0 + n <= self.cols, "OutColumns: rows {r0}+{R}, columns {c0}+{n}");
+        // SAFETY: as in `row`; distinct rows are disjoint (n <= cols <= ld).
+        std::array::from_fn(|r| unsafe { std::slice::from_raw_parts_mut(self.ptr.add((r0 + r) * self.ld + c0), n) })
     }
 }
 
@@ -1481,12 +1445,10 @@ mod tests {
     fn matmul_packed_matches_f64_on_awkward_shapes_at_every_level() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // (rows, in, out): odd widths, one row, widths below and above the 32-lane block, and
-        // products large enough to be split across threads: one row into runs of y (704; 257,
-        // whose last task ends in a one-column panel), several rows into blocks (each thread's
-        // kept between calls: the largest first, so that a value a kernel failed to write would
-        // show a stale one from before).
+        // products large enough to be split across threads, each task writing its own columns of
+        // every row of y: one row (704; 257, whose last task ends in a one-column panel) and
+        // several.
         for &(rows, in_dim, out) in &[
-            (16, 256, 768),
             (1, 1, 1),
             (1, 37, 13),
             (3, 31, 5),
