@@ -1350,7 +1350,8 @@ impl<'a> OutColumns<'a> {
 }
 
 /// RMSNorm of every row of `x` (rows of `gain.len()`) times `gain`: the training kernel's forward
-/// (`rms_norm.rs`) on slices.
+/// (`rms_norm.rs`) on slices, on the calling thread (the decoder splits a pass's rows over its
+/// team itself; the training forward's rayon split would have a team thread wait on the pool).
 pub fn rms_norm_rows(x: &[f32], gain: &[f32], eps: f64, y: &mut [f32]) {
     crate::rms_norm::rms_norm_fwd(x, Some(gain), y, gain.len(), eps)
 }

@@ -65,17 +65,15 @@ fn inv_rms<T: Float>(x: &[T], eps: T) -> T {
     T::ONE / (sum_sq(x) / n + eps).sqrt()
 }
 
-/// Forward kernel. `gain` is `None` or a slice of length `n`.
+/// Forward kernel on the calling thread (the fused decoder splits its passes itself; training
+/// goes through [`rms_norm_fwd_new`] on the pool). `gain` is `None` or a slice of length `n`.
 pub(crate) fn rms_norm_fwd<T: Float>(x: &[T], gain: Option<&[T]>, y: &mut [T], n: usize, eps: f64) {
     if n == 0 {
         return;
     }
     let (eps, (fwd_rows, _)) = (T::from_f64(eps), simd::pick::<T>(BEST_ISA));
-    let rows = min_rows(n, 8192);
-    y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * n)).for_each(|(yc, x)| {
-        // SAFETY: the row loop writes only initialised values.
-        fwd_rows(&RowsIn { x, gain, eps, n }, unsafe { as_uninit(yc) });
-    });
+    // SAFETY: the row loop writes only initialised values.
+    fwd_rows(&RowsIn { x, gain, eps, n }, unsafe { as_uninit(y) });
 }
 
 /// The forward into a new buffer, written on the pool (see [`par_output_uninit`]).
