@@ -251,12 +251,14 @@ struct GenerateArgs {
     /// bf16's). Needs `--weights f32`.
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
-    /// Speculative decoding, greedy only: a copy of the model with bf16 weights and a bf16 cache
-    /// drafts up to this many tokens at a time and the decoder at --precision checks them in one
-    /// pass, keeping those it would have picked itself. The text is that of plain greedy
-    /// decoding at --precision; what changes is the speed (faster when reading the weights bounds
-    /// a step, as f32 at batch 1 does: docs/design.md §7.27). Needs --temperature 0 and
-    /// --weights f32.
+    /// Speculative decoding: a copy of the model with bf16 weights and a bf16 cache drafts up to
+    /// this many tokens at a time and the decoder at --precision checks them in one pass. Greedy
+    /// (--temperature 0), it keeps the drafts it would have picked itself: the text of plain
+    /// greedy decoding. Sampled, it keeps each draft with probability min(1, p/q) (p its own
+    /// probability of the token, q the copy's) and otherwise draws from what is left of p: every
+    /// token follows the distribution of plain sampling, though not the same text for a given
+    /// --seed. What changes is the speed (faster when reading the weights bounds a step, as f32
+    /// at batch 1 does: docs/design.md §7.27, §7.32). Needs --weights f32.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
 }
@@ -287,12 +289,13 @@ struct ServeArgs {
     /// Requests decoded together at most; more wait in the queue.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
-    /// Speculative decoding for a greedy request (temperature 0) while it runs alone: a copy of
-    /// the model with bf16 weights and a bf16 cache drafts up to this many tokens at a time and
-    /// the model checks them in one pass. The text is the same as without; a lone request is
-    /// faster where reading the weights bounds a step (f32 weights: docs/design.md §7.27), at
-    /// the cost of the copy's memory (half the f32 weights) and its cache per greedy request.
-    /// Needs --weights f32, bf16 or int8.
+    /// Speculative decoding for a request while it runs alone: a copy of the model with bf16
+    /// weights and a bf16 cache drafts up to this many tokens at a time and the model checks
+    /// them in one pass (`generate --speculative`). A greedy request gets the same text as
+    /// without, a sampled one text of the same distribution (not the same text for its seed); a
+    /// lone request is faster where reading the weights bounds a step (f32 weights:
+    /// docs/design.md §7.27, §7.32), at the cost of the copy's memory (half the f32 weights) and
+    /// its cache per request. Needs --weights f32, bf16 or int8.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
     /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.
@@ -603,12 +606,6 @@ fn stream_generate(
     choice: DecodeChoice,
 ) -> Result<()> {
     let DecodeChoice { precision, kv_cache, speculative } = choice;
-    if speculative.is_some() && params.temperature != 0.0 {
-        bail!(
-            "--speculative keeps the drafts the model would pick greedily: it needs --temperature 0 (got {})",
-            params.temperature
-        );
-    }
     if speculative.is_some() && !Decoder::supports(model) {
         bail!("--speculative runs the fused decoder, which needs f32 weights: drop --weights");
     }
@@ -638,7 +635,8 @@ fn stream_generate(
         decoder.set_kv_precision(kv_cache);
         if let Some(draft_len) = speculative {
             let draft = bf16_draft(model)?;
-            let (_, stats) = generate_speculative(&decoder, &draft, &ids, n, draft_len as usize, on_token)?;
+            let (_, stats) =
+                generate_speculative(&decoder, &draft, &ids, n, draft_len as usize, &mut sampler, on_token)?;
             eprintln!(
                 "\nspeculative decoding: {} of {} drafted tokens kept ({:.1}%) in {} passes",
                 stats.accepted,

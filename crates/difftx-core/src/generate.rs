@@ -1,5 +1,5 @@
 //! Autoregressive generation with a KV cache: greedy, temperature, top-k and top-p sampling, and
-//! greedy speculative decoding.
+//! speculative decoding (greedy or sampled).
 
 use crate::model::decode::{Decoder, SequenceCache};
 use crate::model::{last_logits, KvCache, Model};
@@ -23,9 +23,21 @@ impl Default for SamplingParams {
     }
 }
 
+/// Picks tokens from logits: greedy (temperature 0) or sampled.
+///
+/// Sampling is the Gumbel-max draw: the token with the largest `logit / temperature + g`, where
+/// `g = −ln(−ln u)` is Gumbel noise, one `u` per token of the vocabulary, drawn afresh for every
+/// token given out from a generator keyed by the seed and that token's index in the output. Among
+/// the candidates top-k and top-p keep, this picks each with exactly its softmax probability (the
+/// Gumbel-max property), like a draw from the softmax. What a draw gives depends on nothing but the
+/// seed, the index and the logits, so whatever computes the logits of a token (a single step, a
+/// batched step, a speculative pass over several positions) picks the same token from the same
+/// logits: speculative decoding gives sampled text identical to plain sampling's, as it does
+/// greedy text (docs/design.md §7.32).
 pub struct Sampler {
     params: SamplingParams,
-    rng: rand::rngs::StdRng,
+    /// Tokens given out so far: the index of the next one.
+    given: u64,
 }
 
 impl Sampler {
@@ -42,30 +54,57 @@ impl Sampler {
         if params.top_k == Some(0) {
             bail!("top-k must be at least 1");
         }
-        let rng = rand::rngs::StdRng::seed_from_u64(params.seed);
-        Ok(Sampler { params, rng })
+        Ok(Sampler { params, given: 0 })
     }
 
     /// Picks the next token from one position's logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let token = self.pick(logits, 0);
+        self.given += 1;
+        token
+    }
+
+    /// The token `sample` would give `ahead` calls from now if handed these logits then (no state
+    /// changes): how a speculative pass draws its drafts and checks them.
+    pub fn pick(&self, logits: &[f32], ahead: usize) -> u32 {
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit, cut by top-k, then softmax at the temperature, then top-p.
-        let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
-        if idx.is_empty() {
+        let candidates = self.candidates(logits);
+        if candidates.is_empty() {
             return argmax(logits);
+        }
+        // One uniform per vocabulary entry, in token order, so that a token's noise does not
+        // depend on which others are candidates. The key holds the seed and the index whole: no
+        // two (seed, index) pairs share a stream.
+        let mut key = [0u8; 32];
+        key[..8].copy_from_slice(&self.params.seed.to_le_bytes());
+        key[8..16].copy_from_slice(&(self.given + ahead as u64).to_le_bytes());
+        let mut rng = rand::rngs::StdRng::from_seed(key);
+        let gumbel: Vec<f64> = (0..logits.len()).map(|_| -(-rng.random::<f64>().ln()).ln()).collect();
+        let score = |i: usize| logits[i] as f64 / self.params.temperature + gumbel[i];
+        let best = candidates.into_iter().map(|i| (i, score(i))).max_by(|a, b| a.1.total_cmp(&b.1));
+        best.expect("at least one candidate").0 as u32
+    }
+
+    /// Records `n` tokens given out without `sample` (those a speculative pass gave).
+    pub fn advance(&mut self, n: usize) {
+        self.given += n as u64;
+    }
+
+    /// The tokens top-k and top-p keep among those with a finite logit (all of them without
+    /// either); sorted by logit, largest first, when either applies.
+    fn candidates(&self, logits: &[f32]) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+        if idx.is_empty() || (self.params.top_k.is_none() && self.params.top_p.is_none()) {
+            return idx;
         }
         idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
         if let Some(k) = self.params.top_k {
             idx.truncate(k);
         }
-        let max = logits[idx[0]] as f64;
-        let mut probs: Vec<f64> =
-            idx.iter().map(|&i| ((logits[i] as f64 - max) / self.params.temperature).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
         if let Some(top_p) = self.params.top_p {
+            let probs = self.softmax(logits, &idx);
             let mut acc = 0.0;
             let keep = probs
                 .iter()
@@ -74,18 +113,31 @@ impl Sampler {
                     acc >= top_p
                 })
                 .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
             idx.truncate(keep);
         }
+        idx
+    }
+
+    /// Softmax at the temperature over the tokens `idx`.
+    fn softmax(&self, logits: &[f32], idx: &[usize]) -> Vec<f64> {
+        let max = idx.iter().map(|&i| logits[i] as f64).fold(f64::NEG_INFINITY, f64::max);
+        let probs: Vec<f64> = idx.iter().map(|&i| ((logits[i] as f64 - max) / self.params.temperature).exp()).collect();
         let total: f64 = probs.iter().sum();
-        let mut r = self.rng.random::<f64>() * total;
-        for (p, &i) in probs.iter().zip(&idx) {
-            r -= p;
-            if r <= 0.0 {
-                return i as u32;
-            }
+        probs.into_iter().map(|p| p / total).collect()
+    }
+
+    /// The distribution `sample` draws from: the tokens it may pick with their probabilities
+    /// (summing to 1). Greedy, or logits none of which is finite: the argmax alone.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        if self.params.temperature == 0.0 {
+            return vec![(argmax(logits), 1.0)];
         }
-        *idx.last().unwrap() as u32
+        let candidates = self.candidates(logits);
+        if candidates.is_empty() {
+            return vec![(argmax(logits), 1.0)];
+        }
+        let probs = self.softmax(logits, &candidates);
+        candidates.into_iter().map(|i| i as u32).zip(probs).collect()
     }
 }
 
@@ -179,21 +231,25 @@ pub fn bf16_draft(model: &Model) -> Result<Decoder> {
     Ok(draft)
 }
 
-/// Greedy generation by speculative decoding: `draft` (a cheaper decoder of the same vocabulary,
-/// such as the same model with bf16 weights) proposes up to `draft_len` tokens one at a time,
-/// and `target` checks them all in one pass (`Decoder::extend`, one read of its weights), keeping
-/// the drafts up to the first it would not have picked and its own token after them. Every token
-/// is the target's argmax after the tokens before it, so the output is `generate_fused`'s with a
-/// greedy sampler on `target`, whatever the draft proposes (the draft only decides how many tokens
-/// a pass yields); the target's rows of a pass are summed in another order than single steps,
-/// which could flip an exact tie. Stops at `max_new` tokens or the target's context, as
-/// `generate_fused` does. docs/design.md §7.27 has the measured rates.
+/// Generation by speculative decoding: `draft` (a cheaper decoder of the same vocabulary, such as
+/// the same model with bf16 weights) proposes up to `draft_len` tokens one at a time, each what
+/// `sampler` would pick from the draft's logits at that index, and `target` checks them all in
+/// one pass (`Decoder::extend`, one read of its weights), keeping the drafts up to the first that
+/// `sampler` would not pick from the target's logits and its own pick after them. Every token is
+/// the one `sampler` picks from `target`'s logits after the tokens before it (greedy or sampled:
+/// a sampler's draw depends only on its seed, the token's index and the logits), so the output is
+/// `generate_fused`'s on `target` with a sampler of the same parameters, whatever the draft
+/// proposes (the draft only decides how many tokens a pass yields); the target's rows of a pass
+/// are summed in another order than single steps, which could flip an exact tie. Stops at
+/// `max_new` tokens or the target's context, as `generate_fused` does. docs/design.md §7.27 and
+/// §7.32 have the measured rates.
 pub fn generate_speculative(
     target: &Decoder,
     draft: &Decoder,
     prompt: &[u32],
     max_new: usize,
     draft_len: usize,
+    sampler: &mut Sampler,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Vec<u32>, SpeculativeStats)> {
     let mut drafter = SpeculativeDraft::new(target, draft, prompt)?;
@@ -207,14 +263,14 @@ pub fn generate_speculative(
     }
     let mut seq = target.new_sequence();
     // The newest token: given out, in no cache yet.
-    let mut next = argmax(&target.prefill(&mut seq, prompt)?);
+    let mut next = sampler.sample(&target.prefill(&mut seq, prompt)?);
     loop {
         on_token(next)?;
         out.push(next);
         if out.len() == max_new || seq.len() >= target.max_seq_len() {
             return Ok((out, stats));
         }
-        let pass = drafter.pass(target, draft, &mut seq, next, draft_len, max_new - out.len())?;
+        let pass = drafter.pass(target, draft, &mut seq, next, draft_len, max_new - out.len(), sampler)?;
         stats.add(&pass);
         let (last, kept) = pass.tokens.split_last().expect("a pass gives at least the target's own token");
         for &d in kept {
@@ -244,8 +300,8 @@ impl SpeculativeStats {
     }
 }
 
-/// The draft's side of one sequence decoded greedily by speculative decoding, a pass at a time
-/// (`generate_speculative`; the server, for a greedy request decoded alone): the draft decoder's
+/// The draft's side of one sequence decoded by speculative decoding, a pass at a time
+/// (`generate_speculative`; the server, for a request decoded alone): the draft decoder's
 /// cache, and the tokens of the sequence that cache has not seen yet, which it takes in one pass
 /// before drafting. The target's cache belongs to the caller.
 pub struct SpeculativeDraft {
@@ -274,11 +330,13 @@ impl SpeculativeDraft {
     }
 
     /// One pass: the draft proposes up to `draft_len` tokens after `next` (the newest token, given
-    /// out but in neither cache) and `target` checks `next` and the drafts in one pass over `seq`,
-    /// its cache of the sequence. `wanted` (at least 1) bounds the tokens the pass may give: the
-    /// drafts stop at `wanted - 1`, at the room left in either context, and at the target's first
-    /// disagreement. `seq` then holds `next` and the kept drafts; the last token given is the next
-    /// pass's `next`.
+    /// out but in neither cache), those `sampler` picks from its logits, and `target` checks
+    /// `next` and the drafts in one pass over `seq`, its cache of the sequence. `wanted` (one or
+    /// more) bounds the tokens the pass may give: the drafts stop at `wanted - 1`, at the room
+    /// left in either context, and at the first that `sampler` would not pick from the target's
+    /// logits. `seq` then holds `next` and the kept drafts; the last token given is the next
+    /// pass's `next`; `sampler` has counted the tokens given.
+    #[allow(clippy::too_many_arguments)]
     pub fn pass(
         &mut self,
         target: &Decoder,
@@ -287,6 +345,7 @@ impl SpeculativeDraft {
         next: u32,
         draft_len: usize,
         wanted: usize,
+        sampler: &mut Sampler,
     ) -> Result<SpeculativePass> {
         let start = seq.len();
         if wanted == 0 || start >= target.max_seq_len() {
@@ -303,25 +362,36 @@ impl SpeculativeDraft {
             .min(wanted - 1)
             .min(target.max_seq_len() - start - 1)
             .min(draft.max_seq_len().saturating_sub(start));
+        // Draft i is the sampler's pick, i tokens ahead, from the draft's logits.
         let mut drafts = Vec::with_capacity(k);
         if k > 0 {
             self.pending.push(next);
-            let logits = draft.append(&mut self.cache, &self.pending)?;
+            let mut logits = draft.append(&mut self.cache, &self.pending)?;
             self.pending.clear();
-            drafts.push(argmax(&logits));
-            while drafts.len() < k {
-                let logits = draft.step(&mut [&mut self.cache], &drafts[drafts.len() - 1..])?;
-                drafts.push(argmax(&logits));
+            loop {
+                drafts.push(sampler.pick(&logits, drafts.len()));
+                if drafts.len() == k {
+                    break;
+                }
+                logits = draft.step(&mut [&mut self.cache], &drafts[drafts.len() - 1..])?;
             }
         }
-        // The target's logits after `next` and after each draft.
+        // The target's logits after `next` and after each draft, and its picks from them.
         let mut rows = Vec::with_capacity(k + 1);
         rows.push(next);
         rows.extend_from_slice(&drafts);
         let logits = target.extend(seq, &rows)?;
-        let picks: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
-        // Drafts up to the first the target would not have picked.
-        let kept = drafts.iter().zip(&picks).take_while(|(d, p)| d == p).count();
+        let mut picks = logits.chunks_exact(vocab).enumerate().map(|(i, row)| sampler.pick(row, i));
+        // Drafts up to the first the target would not have picked, then its own pick.
+        let mut kept = 0;
+        let last = loop {
+            let pick = picks.next().expect("a row per draft and one after them");
+            if kept == k || drafts[kept] != pick {
+                break pick;
+            }
+            kept += 1;
+        };
+        sampler.advance(kept + 1);
         // Both caches keep `next` and the kept drafts; the target's pick after them comes next.
         seq.truncate(start + 1 + kept);
         if k > 0 {
@@ -334,7 +404,7 @@ impl SpeculativeDraft {
             self.pending.push(next);
         }
         let mut tokens = drafts[..kept].to_vec();
-        tokens.push(picks[kept]);
+        tokens.push(last);
         Ok(SpeculativePass { tokens, drafted: k, accepted: kept })
     }
 }
@@ -403,6 +473,53 @@ mod tests {
         let mut again = Sampler::new(params).unwrap();
         let draws2: Vec<u32> = (0..4000).map(|_| again.sample(&logits)).collect();
         assert_eq!(draws, draws2);
+    }
+
+    /// Gumbel-max draws under temperature, top-k and top-p: each candidate as often as its
+    /// probability in `distribution`, nothing else ever.
+    #[test]
+    fn draws_follow_the_distribution_under_top_k_and_top_p() {
+        let logits = [0.3f32, -1.0, 2.0, 1.1, f32::NEG_INFINITY, 0.9, -0.2, 1.7, -3.0];
+        for (top_k, top_p) in [(None, None), (Some(5), None), (None, Some(0.8)), (Some(6), Some(0.9))] {
+            let params = SamplingParams { temperature: 0.7, top_k, top_p, seed: 21 };
+            let mut s = Sampler::new(params).unwrap();
+            let dist = s.distribution(&logits);
+            assert!((dist.iter().map(|d| d.1).sum::<f64>() - 1.0).abs() < 1e-12);
+            let n = 40_000;
+            let mut counts = vec![0usize; logits.len()];
+            for _ in 0..n {
+                counts[s.sample(&logits) as usize] += 1;
+            }
+            for (token, &count) in counts.iter().enumerate() {
+                let p = dist.iter().find(|d| d.0 == token as u32).map_or(0.0, |d| d.1);
+                let freq = count as f64 / n as f64;
+                // Four standard errors at most (the largest is 0.0025).
+                assert!((freq - p).abs() < 0.01, "{top_k:?} {top_p:?}: token {token} drawn {freq}, p = {p}");
+                if p == 0.0 {
+                    assert_eq!(count, 0, "{top_k:?} {top_p:?}: token {token} is not a candidate");
+                }
+            }
+        }
+    }
+
+    /// A draw depends on the seed, the token's index and the logits only: `pick` ahead of time
+    /// gives what `sample` gives at that index, and another seed other tokens.
+    #[test]
+    fn a_draw_depends_on_the_seed_and_the_index_only() {
+        let params = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.95), seed: 4 };
+        let rows: Vec<Vec<f32>> =
+            (0..50).map(|i| (0..30).map(|j| ((i * 7 + j * 13) % 11) as f32 * 0.3).collect()).collect();
+        let mut s = Sampler::new(params.clone()).unwrap();
+        let sampled: Vec<u32> = rows.iter().map(|r| s.sample(r)).collect();
+        let mut ahead = Sampler::new(params.clone()).unwrap();
+        ahead.sample(&rows[0]);
+        let picked: Vec<u32> = rows[1..].iter().enumerate().map(|(i, r)| ahead.pick(r, i)).collect();
+        assert_eq!(picked, sampled[1..]);
+        ahead.advance(rows.len() - 1);
+        assert_eq!(ahead.sample(&rows[0]), s.sample(&rows[0]));
+        let mut other = Sampler::new(SamplingParams { seed: 5, ..params }).unwrap();
+        let other_draws: Vec<u32> = rows.iter().map(|r| other.sample(r)).collect();
+        assert_ne!(other_draws, sampled);
     }
 
     #[test]

@@ -5,8 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use difftx_core::config::{Family, HeadPairing, ModelConfig, RopeStyle};
 use difftx_core::generate::{
-    argmax, bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams,
-    SpeculativeDraft,
+    bf16_draft, generate_fused, generate_speculative, generate_with_forward, Sampler, SamplingParams, SpeculativeDraft,
 };
 use difftx_core::model::RunOptions;
 use difftx_core::model::{init_weights, Model};
@@ -437,8 +436,21 @@ fn extend_returns_what_single_steps_return_and_truncate_rewinds() {
     }
 }
 
+/// Greedy and two sampled settings: what the speculative tests run.
+fn sampling_settings() -> Vec<SamplingParams> {
+    vec![
+        SamplingParams { temperature: 0.0, ..Default::default() },
+        SamplingParams { temperature: 0.9, top_k: Some(20), top_p: None, seed: 7 },
+        SamplingParams { temperature: 1.3, top_k: None, top_p: Some(0.9), seed: 8 },
+    ]
+}
+
+fn sampler(params: &SamplingParams) -> Sampler {
+    Sampler::new(params.clone()).unwrap()
+}
+
 #[test]
-fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
+fn speculative_decoding_gives_the_target_tokens_whatever_the_draft() {
     for (name, cfg) in configs() {
         let m = model(&cfg, 3);
         let target = Decoder::new(&m).unwrap();
@@ -451,17 +463,25 @@ fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
         short_cfg.max_seq_len = 20;
         let short = Decoder::new(&model(&short_cfg, 3)).unwrap();
         let prompt = tokens(4, cfg.vocab_size, 8);
-        for max_new in [cfg.max_seq_len, 7, 1] {
-            let plain = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
+        for (params, max_new) in sampling_settings().iter().flat_map(|p| [(p, cfg.max_seq_len), (p, 7), (p, 1)]) {
+            let plain = generate_fused(&target, &prompt, max_new, &mut sampler(params), |_| Ok(())).unwrap();
+            if params.temperature > 0.0 && max_new == cfg.max_seq_len {
+                let greedy_text = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
+                assert_ne!(plain, greedy_text, "{name}: sampling at {} gave the greedy text", params.temperature);
+            }
             for (draft_name, draft) in [("bf16", &bf16), ("other", &other), ("same", &same), ("short", &short)] {
                 for draft_len in [1, 3, 5] {
-                    let case = format!("{name}, {draft_name} draft, {draft_len} drafts, {max_new} new");
+                    let case = format!(
+                        "{name}, {draft_name} draft, {draft_len} drafts, {max_new} new, temperature {}",
+                        params.temperature
+                    );
                     let mut streamed = Vec::new();
-                    let (out, stats) = generate_speculative(&target, draft, &prompt, max_new, draft_len, |t| {
-                        streamed.push(t);
-                        Ok(())
-                    })
-                    .unwrap();
+                    let (out, stats) =
+                        generate_speculative(&target, draft, &prompt, max_new, draft_len, &mut sampler(params), |t| {
+                            streamed.push(t);
+                            Ok(())
+                        })
+                        .unwrap();
                     assert_eq!(out, plain, "{case}");
                     assert_eq!(streamed, plain, "{case}: tokens as they come");
                     assert!(stats.accepted <= stats.drafted, "{case}: {stats:?}");
@@ -479,18 +499,22 @@ fn speculative_greedy_gives_the_target_tokens_whatever_the_draft() {
 }
 
 #[test]
-fn speculative_passes_between_batched_steps_give_the_greedy_tokens() {
+fn speculative_passes_between_batched_steps_give_the_tokens_of_single_steps() {
     // The server's use: a request decoded by passes while it runs alone and by single steps while
     // it shares the batch (the draft told of each such token), its draft started mid-sequence.
-    for (name, cfg) in configs() {
+    for ((name, cfg), params) in
+        configs().into_iter().flat_map(|c| sampling_settings().into_iter().map(move |p| (c.clone(), p)))
+    {
+        let name = format!("{name}, temperature {}", params.temperature);
         let m = model(&cfg, 5);
         let target = Decoder::new(&m).unwrap();
         let draft = bf16_draft(&m).unwrap();
         let prompt = tokens(6, cfg.vocab_size, 12);
         let max_new = cfg.max_seq_len - prompt.len();
-        let plain = generate_fused(&target, &prompt, max_new, &mut greedy(), |_| Ok(())).unwrap();
+        let plain = generate_fused(&target, &prompt, max_new, &mut sampler(&params), |_| Ok(())).unwrap();
+        let mut s = sampler(&params);
         let mut seq = target.new_sequence();
-        let mut out = vec![argmax(&target.prefill(&mut seq, &prompt).unwrap())];
+        let mut out = vec![s.sample(&target.prefill(&mut seq, &prompt).unwrap())];
         let mut drafter: Option<SpeculativeDraft> = None;
         let (mut round, mut passes) = (0, 0);
         while out.len() < max_new {
@@ -500,12 +524,12 @@ fn speculative_passes_between_batched_steps_give_the_greedy_tokens() {
                 if let Some(d) = drafter.as_mut() {
                     d.push(next);
                 }
-                out.push(argmax(&logits));
+                out.push(s.sample(&logits));
             } else {
                 let history = [&prompt[..], &out[..out.len() - 1]].concat();
                 assert_eq!(history.len(), seq.len(), "{name}");
                 let d = drafter.get_or_insert_with(|| SpeculativeDraft::new(&target, &draft, &history).unwrap());
-                let pass = d.pass(&target, &draft, &mut seq, next, 3, max_new - out.len()).unwrap();
+                let pass = d.pass(&target, &draft, &mut seq, next, 3, max_new - out.len(), &mut s).unwrap();
                 assert!(!pass.tokens.is_empty() && pass.tokens.len() <= 4, "{name}: {pass:?}");
                 assert_eq!(pass.tokens.len(), pass.accepted + 1, "{name}: {pass:?}");
                 out.extend(pass.tokens);
@@ -518,11 +542,11 @@ fn speculative_passes_between_batched_steps_give_the_greedy_tokens() {
         // The last position: no room for drafts, the target's token alone. A pass with no token
         // to give, or no room for one, is refused.
         let mut d = drafter.unwrap();
-        let err = d.pass(&target, &draft, &mut seq, 0, 3, 0).unwrap_err().to_string();
+        let err = d.pass(&target, &draft, &mut seq, 0, 3, 0, &mut s).unwrap_err().to_string();
         assert!(err.contains("room"), "{name}: {err}");
-        let pass = d.pass(&target, &draft, &mut seq, *out.last().unwrap(), 3, 5).unwrap();
+        let pass = d.pass(&target, &draft, &mut seq, *out.last().unwrap(), 3, 5, &mut s).unwrap();
         assert_eq!((pass.drafted, pass.tokens.len(), seq.len()), (0, 1, cfg.max_seq_len), "{name}");
-        let err = d.pass(&target, &draft, &mut seq, pass.tokens[0], 3, 5).unwrap_err().to_string();
+        let err = d.pass(&target, &draft, &mut seq, pass.tokens[0], 3, 5, &mut s).unwrap_err().to_string();
         assert!(err.contains("room"), "{name}: {err}");
     }
 }
@@ -534,8 +558,8 @@ fn speculative_decoding_refuses_a_draft_it_cannot_use() {
     let mut small = cfg.clone();
     small.vocab_size = 60;
     let draft = Decoder::new(&model(&small, 1)).unwrap();
-    let err = generate_speculative(&target, &draft, &[1, 2], 5, 3, |_| Ok(())).unwrap_err().to_string();
+    let err = generate_speculative(&target, &draft, &[1, 2], 5, 3, &mut greedy(), |_| Ok(())).unwrap_err().to_string();
     assert!(err.contains("vocabulary"), "{err}");
-    let err = generate_speculative(&target, &target, &[1, 2], 5, 0, |_| Ok(())).unwrap_err().to_string();
+    let err = generate_speculative(&target, &target, &[1, 2], 5, 0, &mut greedy(), |_| Ok(())).unwrap_err().to_string();
     assert!(err.contains("at least 1"), "{err}");
 }

@@ -53,8 +53,8 @@ struct Args {
     /// Sampling temperature of every request (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temperature: f64,
-    /// Speculative decoding of a greedy request running alone, drafts per pass (as `difftx
-    /// serve --speculative`; only with --temperature 0 does it apply).
+    /// Speculative decoding of a request running alone, drafts per pass (as `difftx serve
+    /// --speculative`): applies in the single-client round, and whenever one request is left.
     #[arg(long)]
     speculative: Option<usize>,
     /// Seconds after which no new request is sent (the running ones finish).
@@ -192,6 +192,12 @@ async fn main() -> anyhow::Result<()> {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| {
         s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
     });
+    // The server's own count of drafts kept over all rounds (`/metrics`).
+    let metrics = http.get(format!("http://{}/metrics", server.addr())).send().await?.text().await?;
+    let counter =
+        |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    let drafted = counter("difftx_speculative_drafted_tokens_total");
+    let accepted = counter("difftx_speculative_accepted_tokens_total");
     let report = json!({
         "model": if args.model.is_some() { dir.display().to_string() } else { "random bench-s diff-v1".into() },
         "weights": format!("{:?}", args.weights),
@@ -201,6 +207,8 @@ async fn main() -> anyhow::Result<()> {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "speculative": args.speculative,
+        "speculative_drafted_tokens": drafted,
+        "speculative_acceptance": if drafted > 0.0 { json!(accepted / drafted) } else { Value::Null },
         "cpu": cpu,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "rounds": rounds,

@@ -9,9 +9,10 @@
 //! its client stops listening (the receiving end of its event channel is dropped), and its slot
 //! goes to the next request in the queue at the next step.
 //!
-//! With `EngineOptions::speculative`, a greedy request that runs alone is decoded by speculative
-//! passes instead of single steps: a bf16 copy of the model drafts tokens and one pass of the
-//! model checks them (`difftx_core::generate::SpeculativeDraft`); the text is the same.
+//! With `EngineOptions::speculative`, a request that runs alone is decoded by speculative passes
+//! instead of single steps: a bf16 copy of the model drafts tokens and one pass of the model
+//! checks them (`difftx_core::generate::SpeculativeDraft`) with the request's sampler. A greedy
+//! request's text is the same; a sampled one's follows the same distribution (other draws).
 
 use crate::metrics::Metrics;
 use anyhow::{Context, Result};
@@ -123,8 +124,8 @@ pub struct EngineOptions {
     pub max_queue: usize,
     /// Token that ends generation (a Hugging Face model's `eos_token_id`), if any.
     pub eos_token: Option<u32>,
-    /// Drafts per pass of speculative decoding for a greedy request that runs alone (a bf16 copy
-    /// of the model drafts them; `ServeWeights::Fused` only); `None`: single steps always.
+    /// Drafts per pass of speculative decoding for a request that runs alone (a bf16 copy of the
+    /// model drafts them; `ServeWeights::Fused` only); `None`: single steps always.
     pub speculative: Option<usize>,
 }
 
@@ -306,7 +307,7 @@ struct Running<'t> {
     text: TextStream<'t>,
     /// The token to feed at the next step (the last one sampled).
     next: u32,
-    /// The speculative draft's side of a greedy request (`EngineOptions::speculative`): passes
+    /// The speculative draft's side of the request (`EngineOptions::speculative`): passes
     /// run while the request is alone, and each token it is fed in a batched step is passed on.
     drafter: Option<SpeculativeDraft>,
     generated: usize,
@@ -446,7 +447,7 @@ impl Worker {
         let start = seq.len();
         let wanted = r.max_tokens - r.generated;
         let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            drafter.pass(target, draft, seq, r.next, draft_len, wanted)
+            drafter.pass(target, draft, seq, r.next, draft_len, wanted, &mut r.sampler)
         }))
         .unwrap_or_else(|_| Err(anyhow::anyhow!("internal error: the speculative pass panicked")));
         let pass = match pass {
@@ -464,7 +465,7 @@ impl Worker {
     }
 
     /// Runs a new request's prompt and its first token; `None` if it is already finished.
-    /// `speculation`: the model's and the draft's decoders when greedy requests get a draft.
+    /// `speculation`: the model's and the draft's decoders when requests get a draft.
     fn join<'t>(
         &'t self,
         backend: &Backend,
@@ -489,10 +490,10 @@ impl Worker {
         self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
         let first = sampler.sample(&logits);
         let drafter = match speculation {
-            Some((target, draft)) if job.sampling.temperature == 0.0 => {
+            Some((target, draft)) => {
                 Some(SpeculativeDraft::new(target, draft, &job.prompt).expect("the draft is the model in bf16"))
             }
-            _ => None,
+            None => None,
         };
         let cached = cache.len();
         let mut r = Running {

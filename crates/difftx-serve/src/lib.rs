@@ -48,8 +48,9 @@ pub struct ServeOptions {
     pub kv_cache: difftx_core::KvPrecision,
     /// Requests decoded together at most.
     pub max_batch: usize,
-    /// Drafts per pass of speculative decoding for a greedy request running alone (a bf16 copy
-    /// of the model drafts, the model checks them in one pass; the same text); `None`: off.
+    /// Drafts per pass of speculative decoding for a request running alone (a bf16 copy of the
+    /// model drafts, the model checks them in one pass: a greedy request's text is the same, a
+    /// sampled one's follows the same distribution); `None`: off.
     pub speculative: Option<usize>,
     /// Requests waiting for a slot at most; beyond it requests get 503 with `Retry-After`.
     pub max_queue: usize,
@@ -292,7 +293,7 @@ pub fn run(model_dir: &Path, opts: ServeOptions) -> Result<()> {
         let st = server.state();
         let speculative = opts
             .speculative
-            .map_or(String::new(), |k| format!(", speculative decoding of lone greedy requests ({k} drafts per pass)"));
+            .map_or(String::new(), |k| format!(", speculative decoding of lone requests ({k} drafts per pass)"));
         eprintln!(
             "serving '{}' ({} weights, {} KV cache, context {} tokens, up to {} requests per step{}) on http://{}",
             st.model_id,

@@ -50,7 +50,7 @@ impl Metrics {
         )?;
         let speculative_drafted_tokens = IntCounter::new(
             "difftx_speculative_drafted_tokens_total",
-            "Tokens drafted for greedy requests decoded alone (--speculative)",
+            "Tokens drafted for requests decoded alone (--speculative)",
         )?;
         let speculative_accepted_tokens = IntCounter::new(
             "difftx_speculative_accepted_tokens_total",

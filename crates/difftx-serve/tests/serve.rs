@@ -214,7 +214,7 @@ async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision, spec
     let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
     let count = metric(&m, "difftx_batch_size_count");
     assert!(one.trim().parse::<f64>().unwrap() < count, "no step ran two requests together:\n{m}");
-    // Greedy requests alone ran speculative passes (only then).
+    // Requests alone ran speculative passes (only then).
     let drafted = metric(&m, "difftx_speculative_drafted_tokens_total");
     assert_eq!(drafted > 0.0, speculative.is_some(), "{m}");
     assert!(metric(&m, "difftx_speculative_accepted_tokens_total") <= drafted, "{m}");
@@ -248,8 +248,9 @@ async fn speculative_passes_serve_the_same_text_alone_or_in_a_batch() {
     batched_equals_alone(ServeWeights::Fused(difftx_core::WeightPrecision::F32), KvPrecision::F32, Some(4)).await;
 }
 
-/// Greedy requests served by speculative passes get the text, finish reason and token count
-/// that single steps give: limits and stop strings in the middle of a pass, a full context.
+/// Requests served by speculative passes, greedy or sampled, get the text, finish reason and
+/// token count that single steps give: limits and stop strings in the middle of a pass, a full
+/// context.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_decoding_gives_the_text_of_single_steps() {
     let root = tempfile::tempdir().unwrap();
@@ -263,6 +264,8 @@ async fn speculative_decoding_gives_the_text_of_single_steps() {
         json!({"prompt": "Once", "max_tokens": 7, "temperature": 0.0}),
         json!({"prompt": "Once", "max_tokens": 1, "temperature": 0.0}),
         json!({"prompt": long, "max_tokens": 64, "temperature": 0.0}),
+        json!({"prompt": "Once", "max_tokens": 40, "temperature": 0.9, "seed": 3}),
+        json!({"prompt": "Once", "max_tokens": 33, "temperature": 1.2, "top_p": 0.9, "seed": 4}),
     ];
     // A stop string from the middle of the plain text.
     let text = text_of(&cp.post("/v1/completions", reqs[0].clone()).await.1);

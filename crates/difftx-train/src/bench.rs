@@ -432,7 +432,8 @@ fn bench_speculative(models: &[Model], prompts: &[Vec<u32>], n: usize) -> Result
             };
             let mut speculative = |secs: &mut Vec<f64>| -> Result<Vec<u32>> {
                 let t0 = Instant::now();
-                let (out, s) = generate_speculative(&target, &draft, prompt, n, SPECULATIVE_DRAFT, |_| Ok(()))?;
+                let (out, s) =
+                    generate_speculative(&target, &draft, prompt, n, SPECULATIVE_DRAFT, &mut greedy()?, |_| Ok(()))?;
                 secs.push(t0.elapsed().as_secs_f64());
                 stats = s;
                 Ok(out)
