@@ -70,20 +70,24 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
-        let candidates = self.candidates(logits);
+        let (candidates, probs) = self.candidates(logits);
         if candidates.is_empty() {
             return argmax(logits);
         }
-        // One uniform per vocabulary entry, in token order, so that a token's noise does not
-        // depend on which others are candidates. The key holds the seed and the index whole: no
-        // two (seed, index) pairs share a stream.
-        let mut key = [0u8; 32];
-        key[..8].copy_from_slice(&self.params.seed.to_le_bytes());
-        key[8..16].copy_from_slice(&(self.given + ahead as u64).to_le_bytes());
-        let mut rng = rand::rngs::StdRng::from_seed(key);
-        let gumbel: Vec<f64> = (0..logits.len()).map(|_| -(-rng.random::<f64>().ln()).ln()).collect();
-        let score = |i: usize| logits[i] as f64 / self.params.temperature + gumbel[i];
-        let best = candidates.into_iter().map(|i| (i, score(i))).max_by(|a, b| a.1.total_cmp(&b.1));
+        // A few candidates (top-k, a sharp top-p) seek to their own uniforms; many read the
+        // stream in order.
+        let seek = candidates.len() * 16 < logits.len();
+        let uniforms = uniforms(self.params.seed, self.given + ahead as u64, &candidates, seek);
+        // `logit / T + g` with `g = −ln(−ln u)`; where top-p has the probabilities at hand, the
+        // same order as `p / (−ln u)` (its exponential) for one logarithm a token instead of two.
+        let scores: Vec<(usize, f64)> = match probs {
+            Some(probs) => candidates.iter().zip(probs).zip(uniforms).map(|((&t, p), u)| (t, p / -u.ln())).collect(),
+            None => {
+                let t = self.params.temperature;
+                candidates.iter().zip(uniforms).map(|(&i, u)| (i, logits[i] as f64 / t - (-u.ln()).ln())).collect()
+            }
+        };
+        let best = scores.into_iter().max_by(|a, b| a.1.total_cmp(&b.1));
         best.expect("at least one candidate").0 as u32
     }
 
@@ -93,29 +97,34 @@ impl Sampler {
     }
 
     /// The tokens top-k and top-p keep among those with a finite logit (all of them without
-    /// either); sorted by logit, largest first, when either applies.
-    fn candidates(&self, logits: &[f32]) -> Vec<usize> {
+    /// either), and under top-p their probabilities before the cut (sorted by logit, largest
+    /// first). Equal logits are ranked by token id, so the kept set is a function of the logits
+    /// alone.
+    fn candidates(&self, logits: &[f32]) -> (Vec<usize>, Option<Vec<f64>>) {
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
-        if idx.is_empty() || (self.params.top_k.is_none() && self.params.top_p.is_none()) {
-            return idx;
-        }
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
         if let Some(k) = self.params.top_k {
-            idx.truncate(k);
+            if k < idx.len() {
+                idx.select_nth_unstable_by(k - 1, by_logit);
+                idx.truncate(k);
+            }
         }
-        if let Some(top_p) = self.params.top_p {
-            let probs = self.softmax(logits, &idx);
-            let mut acc = 0.0;
-            let keep = probs
-                .iter()
-                .position(|p| {
-                    acc += p;
-                    acc >= top_p
-                })
-                .map_or(probs.len(), |i| i + 1);
-            idx.truncate(keep);
-        }
-        idx
+        let Some(top_p) = self.params.top_p else {
+            return (idx, None);
+        };
+        idx.sort_by(by_logit);
+        let mut probs = self.softmax(logits, &idx);
+        let mut acc = 0.0;
+        let keep = probs
+            .iter()
+            .position(|p| {
+                acc += p;
+                acc >= top_p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+        (idx, Some(probs))
     }
 
     /// Softmax at the temperature over the tokens `idx`.
@@ -132,12 +141,38 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return vec![(argmax(logits), 1.0)];
         }
-        let candidates = self.candidates(logits);
+        let (candidates, _) = self.candidates(logits);
         if candidates.is_empty() {
             return vec![(argmax(logits), 1.0)];
         }
         let probs = self.softmax(logits, &candidates);
         candidates.into_iter().map(|i| i as u32).zip(probs).collect()
+    }
+}
+
+/// The uniforms in [0, 1) of `tokens` for the token given out at `index`: token t's is the t-th
+/// f64 of a ChaCha stream keyed by the seed and the index (both whole: no two pairs share a
+/// stream), so a token's noise does not depend on which others are candidates. `seek`: each
+/// token's value found by seeking in the stream, else the stream read in order up to the last
+/// token; the same values either way.
+fn uniforms(seed: u64, index: u64, tokens: &[usize], seek: bool) -> Vec<f64> {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&index.to_le_bytes());
+    let mut rng = rand_chacha::ChaCha12Rng::from_seed(key);
+    if seek {
+        tokens
+            .iter()
+            .map(|&t| {
+                // An f64 takes two 32-bit words of the stream.
+                rng.set_word_pos(2 * t as u128);
+                rng.random::<f64>()
+            })
+            .collect()
+    } else {
+        let last = tokens.iter().max().map_or(0, |&t| t + 1);
+        let in_order: Vec<f64> = (0..last).map(|_| rng.random::<f64>()).collect();
+        tokens.iter().map(|&t| in_order[t]).collect()
     }
 }
 
@@ -520,6 +555,18 @@ mod tests {
         let mut other = Sampler::new(SamplingParams { seed: 5, ..params }).unwrap();
         let other_draws: Vec<u32> = rows.iter().map(|r| other.sample(r)).collect();
         assert_ne!(other_draws, sampled);
+    }
+
+    /// Seeking to a token's uniform gives the value the stream read in order gives.
+    #[test]
+    fn uniforms_by_seeking_are_those_read_in_order() {
+        let tokens = [0usize, 7, 8, 31, 32, 63, 64, 65, 200, 4095, 3];
+        for (seed, index) in [(0u64, 0u64), (9, 1), (u64::MAX, 12345)] {
+            let a = uniforms(seed, index, &tokens, true);
+            assert_eq!(a, uniforms(seed, index, &tokens, false));
+            assert!(a.iter().all(|u| (0.0..1.0).contains(u)));
+            assert_ne!(a, uniforms(seed, index + 1, &tokens, true));
+        }
     }
 
     #[test]
