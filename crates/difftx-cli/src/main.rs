@@ -252,13 +252,12 @@ struct GenerateArgs {
     #[arg(long, default_value = "f32")]
     kv_cache: KvPrecision,
     /// Speculative decoding: a copy of the model with bf16 weights and a bf16 cache drafts up to
-    /// this many tokens at a time and the decoder at --precision checks them in one pass. Greedy
-    /// (--temperature 0), it keeps the drafts it would have picked itself: the text of plain
-    /// greedy decoding. Sampled, it keeps each draft with probability min(1, p/q) (p its own
-    /// probability of the token, q the copy's) and otherwise draws from what is left of p: every
-    /// token follows the distribution of plain sampling, though not the same text for a given
-    /// --seed. What changes is the speed (faster when reading the weights bounds a step, as f32
-    /// at batch 1 does: docs/design.md §7.27, §7.32). Needs --weights f32.
+    /// this many tokens at a time and the decoder at --precision checks them in one pass, keeping
+    /// the drafts it would have picked itself (greedy, or sampled: a draw depends only on --seed,
+    /// the token's index and the logits). The text is that of plain decoding at --precision with
+    /// the same --temperature, --top-k, --top-p and --seed; what changes is the speed (faster when
+    /// reading the weights bounds a step, as f32 at batch 1 does: docs/design.md §7.27, §7.32).
+    /// Needs --weights f32.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
 }
@@ -291,11 +290,10 @@ struct ServeArgs {
     max_batch: usize,
     /// Speculative decoding for a request while it runs alone: a copy of the model with bf16
     /// weights and a bf16 cache drafts up to this many tokens at a time and the model checks
-    /// them in one pass (`generate --speculative`). A greedy request gets the same text as
-    /// without, a sampled one text of the same distribution (not the same text for its seed); a
-    /// lone request is faster where reading the weights bounds a step (f32 weights:
-    /// docs/design.md §7.27, §7.32), at the cost of the copy's memory (half the f32 weights) and
-    /// its cache per request. Needs --weights f32, bf16 or int8.
+    /// them in one pass (`generate --speculative`). A request gets the same text as without,
+    /// greedy or sampled with its seed; a lone request is faster where reading the weights
+    /// bounds a step (f32 weights: docs/design.md §7.27, §7.32), at the cost of the copy's memory
+    /// (half the f32 weights) and its cache per request. Needs --weights f32, bf16 or int8.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
     /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.

@@ -11,8 +11,9 @@
 //!
 //! With `EngineOptions::speculative`, a request that runs alone is decoded by speculative passes
 //! instead of single steps: a bf16 copy of the model drafts tokens and one pass of the model
-//! checks them (`difftx_core::generate::SpeculativeDraft`) with the request's sampler. A greedy
-//! request's text is the same; a sampled one's follows the same distribution (other draws).
+//! checks them (`difftx_core::generate::SpeculativeDraft`) with the request's sampler, whose draws
+//! depend only on its seed, the token's index and the logits: the text is the same, greedy or
+//! sampled.
 
 use crate::metrics::Metrics;
 use anyhow::{Context, Result};

@@ -49,8 +49,8 @@ pub struct ServeOptions {
     /// Requests decoded together at most.
     pub max_batch: usize,
     /// Drafts per pass of speculative decoding for a request running alone (a bf16 copy of the
-    /// model drafts, the model checks them in one pass: a greedy request's text is the same, a
-    /// sampled one's follows the same distribution); `None`: off.
+    /// model drafts, the model checks them in one pass; the same text, greedy or sampled);
+    /// `None`: off.
     pub speculative: Option<usize>,
     /// Requests waiting for a slot at most; beyond it requests get 503 with `Retry-After`.
     pub max_queue: usize,
