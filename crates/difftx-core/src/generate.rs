@@ -80,15 +80,12 @@ impl Sampler {
         let uniforms = uniforms(self.params.seed, self.given + ahead as u64, &candidates, seek);
         // `logit / T + g` with `g = −ln(−ln u)`; where top-p has the probabilities at hand, the
         // same order as `p / (−ln u)` (its exponential) for one logarithm a token instead of two.
-        let scores: Vec<(usize, f64)> = match probs {
-            Some(probs) => candidates.iter().zip(probs).zip(uniforms).map(|((&t, p), u)| (t, p / -u.ln())).collect(),
-            None => {
-                let t = self.params.temperature;
-                candidates.iter().zip(uniforms).map(|(&i, u)| (i, logits[i] as f64 / t - (-u.ln()).ln())).collect()
-            }
+        let score = |k: usize, t: usize, u: f64| match &probs {
+            Some(probs) => probs[k] / -u.ln(),
+            None => logits[t] as f64 / self.params.temperature - (-u.ln()).ln(),
         };
-        let best = scores.into_iter().max_by(|a, b| a.1.total_cmp(&b.1));
-        best.expect("at least one candidate").0 as u32
+        let scores = candidates.iter().zip(uniforms).enumerate().map(|(k, (&t, u))| (t, score(k, t, u)));
+        scores.max_by(|a, b| a.1.total_cmp(&b.1)).expect("at least one candidate").0 as u32
     }
 
     /// Records `n` tokens given out without `sample` (those a speculative pass gave).
@@ -141,11 +138,18 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return vec![(argmax(logits), 1.0)];
         }
-        let (candidates, _) = self.candidates(logits);
+        let (candidates, probs) = self.candidates(logits);
         if candidates.is_empty() {
             return vec![(argmax(logits), 1.0)];
         }
-        let probs = self.softmax(logits, &candidates);
+        // Top-p's probabilities cover the tokens before its cut: renormalised over those kept.
+        let probs = match probs {
+            Some(probs) => {
+                let total: f64 = probs.iter().sum();
+                probs.into_iter().map(|p| p / total).collect()
+            }
+            None => self.softmax(logits, &candidates),
+        };
         candidates.into_iter().map(|i| i as u32).zip(probs).collect()
     }
 }
