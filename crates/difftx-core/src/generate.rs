@@ -94,9 +94,8 @@ impl Sampler {
     }
 
     /// The tokens top-k and top-p keep among those with a finite logit (all of them without
-    /// either), and under top-p their probabilities before the cut (sorted by logit, largest
-    /// first). Equal logits are ranked by token id, so the kept set is a function of the logits
-    /// alone.
+    /// either), in no particular order, and under top-p their probabilities before the cut.
+    /// Equal logits are ranked by token id, so the kept set is a function of the logits alone.
     fn candidates(&self, logits: &[f32]) -> (Vec<usize>, Option<Vec<f64>>) {
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
         let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
@@ -109,19 +108,13 @@ impl Sampler {
         let Some(top_p) = self.params.top_p else {
             return (idx, None);
         };
-        idx.sort_by(by_logit);
-        let mut probs = self.softmax(logits, &idx);
-        let mut acc = 0.0;
-        let keep = probs
-            .iter()
-            .position(|p| {
-                acc += p;
-                acc >= top_p
-            })
-            .map_or(probs.len(), |i| i + 1);
-        idx.truncate(keep);
-        probs.truncate(keep);
-        (idx, Some(probs))
+        let probs = self.softmax(logits, &idx);
+        let mut ranked: Vec<Ranked> =
+            idx.into_iter().zip(probs).map(|(token, p)| Ranked { logit: logits[token], token, p }).collect();
+        let keep = nucleus(&mut ranked, top_p);
+        ranked.truncate(keep);
+        let (tokens, probs): (Vec<usize>, Vec<f64>) = ranked.into_iter().map(|r| (r.token, r.p)).unzip();
+        (tokens, Some(probs))
     }
 
     /// Softmax at the temperature over the tokens `idx`.
@@ -178,6 +171,50 @@ fn uniforms(seed: u64, index: u64, tokens: &[usize], seek: bool) -> Vec<f64> {
         let in_order: Vec<f64> = (0..last).map(|_| rng.random::<f64>()).collect();
         tokens.iter().map(|&t| in_order[t]).collect()
     }
+}
+
+/// A top-p candidate: its logit (to rank it), its id (to rank equal logits) and its probability.
+struct Ranked {
+    logit: f32,
+    token: usize,
+    p: f64,
+}
+
+impl Ranked {
+    /// Larger logits first, equal ones by id: the order top-k uses.
+    fn rank(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
+        b.logit.total_cmp(&a.logit).then(a.token.cmp(&b.token))
+    }
+}
+
+/// Top-p's cut: moves the fewest highest-ranked tokens whose probabilities reach `top_p` to the
+/// front and returns how many they are (all of them if the probabilities fall short of it by
+/// rounding). Sorting all the tokens and summing down the order gives the same cut; this halves
+/// the range that holds it by selection instead (linear time, where the sort was most of a
+/// draw's cost at large vocabularies, docs/design.md §7.33), then sorts the last few.
+fn nucleus(ranked: &mut [Ranked], top_p: f64) -> usize {
+    // ranked[..lo] are the lo highest-ranked tokens, in any order, with mass `above`; the cut
+    // falls in lo + 1 ..= hi.
+    let (mut lo, mut hi, mut above) = (0, ranked.len(), 0.0);
+    while hi - lo > 64 {
+        let mid = lo + (hi - lo) / 2;
+        ranked[lo..hi].select_nth_unstable_by(mid - lo, Ranked::rank);
+        let mass: f64 = ranked[lo..mid].iter().map(|r| r.p).sum();
+        if above + mass >= top_p {
+            hi = mid;
+        } else {
+            above += mass;
+            lo = mid;
+        }
+    }
+    ranked[lo..hi].sort_unstable_by(Ranked::rank);
+    for (i, r) in ranked[lo..hi].iter().enumerate() {
+        above += r.p;
+        if above >= top_p {
+            return lo + i + 1;
+        }
+    }
+    hi
 }
 
 /// The greedy pick: the first of the largest logits (0 when none is larger than -inf).
@@ -559,6 +596,70 @@ mod tests {
         let mut other = Sampler::new(SamplingParams { seed: 5, ..params }).unwrap();
         let other_draws: Vec<u32> = rows.iter().map(|r| other.sample(r)).collect();
         assert_ne!(other_draws, sampled);
+    }
+
+    /// Top-k and top-p's candidates as first written: every finite token sorted by logit (equal
+    /// logits by id), the first k, then the shortest prefix whose probabilities reach p.
+    fn candidates_by_sorting(params: &SamplingParams, logits: &[f32]) -> Vec<(usize, f64)> {
+        let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+        idx.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+        idx.truncate(params.top_k.unwrap_or(usize::MAX));
+        let max = idx.first().map_or(0.0, |&i| logits[i] as f64);
+        let weights: Vec<f64> = idx.iter().map(|&i| ((logits[i] as f64 - max) / params.temperature).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let mut kept = Vec::new();
+        for (&i, w) in idx.iter().zip(weights) {
+            kept.push((i, w / total));
+            acc += w / total;
+            if acc >= params.top_p.unwrap_or(2.0) {
+                break;
+            }
+        }
+        kept
+    }
+
+    /// Top-p's cut by selection keeps the tokens, with the probabilities, that sorting keeps: at
+    /// vocabularies from none to 50,000 tokens, spread and heavily tied logits, -inf among them,
+    /// nuclei from one token to nearly all, with and without top-k.
+    #[test]
+    fn the_nucleus_by_selection_is_the_sorted_prefix() {
+        let mut rng = rand_chacha::ChaCha12Rng::seed_from_u64(7);
+        let mut cases = 0;
+        for vocab in [0usize, 1, 2, 63, 64, 65, 200, 1000, 4099, 50_000] {
+            for tied in [false, true] {
+                let logits: Vec<f32> = (0..vocab)
+                    .map(|_| match rng.random_range(0..50) {
+                        0 => f32::NEG_INFINITY,
+                        _ if tied => rng.random_range(0..12) as f32 * 0.5,
+                        _ => rng.random_range(-6.0f32..6.0),
+                    })
+                    .collect();
+                for temperature in [0.3, 1.0, 3.0] {
+                    for top_k in [None, Some(1), Some(70), Some(3000)] {
+                        // Not round numbers: with equal probabilities (tied logits under top-k)
+                        // a round p can equal k tokens' mass, and the cut then depends on the
+                        // order the probabilities are summed in, which differs by rounding.
+                        for top_p in [0.0123457, 0.3001234, 0.5000321, 0.9000123, 0.9899877, 0.9999123] {
+                            let params = SamplingParams { temperature, top_k, top_p: Some(top_p), seed: 0 };
+                            let (tokens, probs) = Sampler::new(params.clone()).unwrap().candidates(&logits);
+                            let mut kept: Vec<(usize, f64)> = tokens.into_iter().zip(probs.unwrap()).collect();
+                            kept.sort_by_key(|k| k.0);
+                            let mut expected = candidates_by_sorting(&params, &logits);
+                            expected.sort_by_key(|k| k.0);
+                            let what = format!("vocab {vocab} tied {tied} T {temperature} {top_k:?} {top_p}");
+                            assert_eq!(kept.len(), expected.len(), "{what}");
+                            for (a, b) in kept.iter().zip(&expected) {
+                                assert_eq!(a.0, b.0, "{what}");
+                                assert!((a.1 - b.1).abs() <= 1e-12 * b.1.max(1e-300), "{what}: {a:?} {b:?}");
+                            }
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 10 * 2 * 3 * 4 * 6);
     }
 
     /// Seeking to a token's uniform gives the value the stream read in order gives.
