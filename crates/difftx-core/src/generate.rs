@@ -78,13 +78,12 @@ impl Sampler {
         // stream in order.
         let seek = candidates.len() * 16 < logits.len();
         let uniforms = uniforms(self.params.seed, self.given + ahead as u64, &candidates, seek);
-        // `logit / T + g` with `g = −ln(−ln u)`; where top-p has the probabilities at hand, the
-        // same order as `p / (−ln u)` (its exponential) for one logarithm a token instead of two.
-        let score = |k: usize, t: usize, u: f64| match &probs {
-            Some(probs) => probs[k] / -u.ln(),
-            None => logits[t] as f64 / self.params.temperature - (-u.ln()).ln(),
+        let Some(probs) = probs else {
+            return candidates[gumbel_max(logits, self.params.temperature, &candidates, &uniforms)] as u32;
         };
-        let scores = candidates.iter().zip(uniforms).enumerate().map(|(k, (&t, u))| (t, score(k, t, u)));
+        // Top-p has the probabilities at hand: `p / (−ln u)`, the exponential of `logit / T + g`
+        // up to a constant (the same order), for one logarithm a token instead of two.
+        let scores = candidates.iter().zip(probs.iter().zip(uniforms)).map(|(&t, (p, u))| (t, p / -u.ln()));
         scores.max_by(|a, b| a.1.total_cmp(&b.1)).expect("at least one candidate").0 as u32
     }
 
@@ -169,9 +168,62 @@ fn uniforms(seed: u64, index: u64, tokens: &[usize], seek: bool) -> Vec<f64> {
     } else {
         let last = tokens.iter().max().map_or(0, |&t| t + 1);
         let in_order: Vec<f64> = (0..last).map(|_| rng.random::<f64>()).collect();
+        if tokens.iter().enumerate().all(|(i, &t)| i == t) {
+            return in_order; // every token, in order (no top-k): nothing to pick out
+        }
         tokens.iter().map(|&t| in_order[t]).collect()
     }
 }
+
+/// The Gumbel-max pick: the index `k` of the largest score `logits[candidates[k]] / T + g(u_k)`,
+/// `g(u) = −ln(−ln u)`, the last of equal ones (as `Iterator::max_by`). Two logarithms a token
+/// were the largest part of a draw's cost at large vocabularies (docs/design.md §7.33), and most tokens cannot
+/// win: with `s` the score of the largest logit, a token whose gap `s − logit / T` exceeds its
+/// noise loses to it, and `g(u) < x` exactly when `u < exp(−exp(−x))`. So the gaps are bucketed
+/// by eighths of a nat, each bucket's bound on `u` computed once, and a token's score only where
+/// its `u` reaches its bucket's bound. The bounds keep [`GUMBEL_MARGIN`] nats in hand, more than
+/// any rounding in the scores or the bounds, so the pick is the one scoring every token gives
+/// (a test compares them).
+fn gumbel_max(logits: &[f32], temperature: f64, candidates: &[usize], uniforms: &[f64]) -> usize {
+    let score = |k: usize| logits[candidates[k]] as f64 / temperature - (-uniforms[k].ln()).ln();
+    // Any candidate's score would do as the first; the largest logit's is the hardest to beat.
+    let mut top = 0;
+    for (k, &t) in candidates.iter().enumerate() {
+        if logits[t] > logits[candidates[top]] {
+            top = k;
+        }
+    }
+    let first = score(top);
+    let bound = &*GUMBEL_BOUNDS;
+    // The gaps only choose buckets: a product for the division, whose rounding the margin covers.
+    let inverse = 1.0 / temperature;
+    let (mut best, mut best_score) = (top, first);
+    for (k, (&t, &u)) in candidates.iter().zip(uniforms).enumerate() {
+        let gap = first - logits[t] as f64 * inverse - GUMBEL_MARGIN;
+        // The noise never exceeds −ln(−ln(1 − 2⁻⁵³)) ≈ 36.7 (u < 1), past the last bucket's
+        // reach (30 nats, where the bound is still 9e-14 below 1, far above f64's spacing).
+        let may_win = gap <= 0.0 || (gap < 37.0 && u >= bound[((gap * 8.0) as usize).min(GUMBEL_BUCKETS - 1)]);
+        if may_win && k != top {
+            let s = score(k);
+            if s.total_cmp(&best_score).is_ge() && (s != best_score || k > best) {
+                (best, best_score) = (k, s);
+            }
+        }
+    }
+    best
+}
+
+/// Buckets of an eighth of a nat each for [`gumbel_max`]'s bounds: gaps up to 30 nats.
+const GUMBEL_BUCKETS: usize = 241;
+
+/// Bucket b's bound: `g(u) < b / 8` exactly when `u < exp(−exp(−b / 8))`.
+static GUMBEL_BOUNDS: std::sync::LazyLock<[f64; GUMBEL_BUCKETS]> =
+    std::sync::LazyLock::new(|| std::array::from_fn(|b| (-(-(b as f64 / 8.0)).exp()).exp()));
+
+/// Nats [`gumbel_max`] keeps in hand. Its bounds near 1 are exact to f64's spacing there, 1.1e-16,
+/// which at the last bucket (30 nats: `1 − u` ≈ 9.4e-14) is 1.2e-3 nats of noise; the scores'
+/// rounding is ~1e-14.
+const GUMBEL_MARGIN: f64 = 0.01;
 
 /// A top-p candidate: its logit (to rank it), its id (to rank equal logits) and its probability.
 struct Ranked {
@@ -596,6 +648,50 @@ mod tests {
         let mut other = Sampler::new(SamplingParams { seed: 5, ..params }).unwrap();
         let other_draws: Vec<u32> = rows.iter().map(|r| other.sample(r)).collect();
         assert_ne!(other_draws, sampled);
+    }
+
+    /// The Gumbel-max pick that skips tokens which cannot win is the pick of scoring every
+    /// candidate (`logit / T − ln(−ln u)`, the last of equal maxima): flat, near-flat, tied,
+    /// spread and extreme logits, temperatures from 0.05 to 5, with and without top-k.
+    #[test]
+    fn the_gumbel_pick_is_that_of_scoring_every_token() {
+        let mut rng = rand_chacha::ChaCha12Rng::seed_from_u64(3);
+        let mut skipped_some = false;
+        for vocab in [1usize, 2, 5, 300, 5000, 40_000] {
+            for spread in ["flat", "near-flat", "tied", "spread", "extreme"] {
+                let logits: Vec<f32> = (0..vocab)
+                    .map(|_| match spread {
+                        "flat" => 1.5,
+                        "near-flat" => rng.random_range(0.0f32..1e-3),
+                        "tied" => rng.random_range(0..4) as f32,
+                        "spread" => rng.random_range(-8.0f32..8.0),
+                        _ => rng.random_range(-300.0f32..300.0),
+                    })
+                    .collect();
+                for temperature in [0.05, 0.7, 1.0, 5.0] {
+                    for top_k in [None, Some(3), Some(1000)] {
+                        let params = SamplingParams { temperature, top_k, top_p: None, seed: vocab as u64 };
+                        let sampler = Sampler::new(params).unwrap();
+                        let (candidates, _) = sampler.candidates(&logits);
+                        for ahead in 0..(200_000 / vocab).clamp(3, 60) {
+                            let u = uniforms(vocab as u64, ahead as u64, &candidates, false);
+                            let scores = candidates
+                                .iter()
+                                .zip(&u)
+                                .map(|(&t, u)| (t, logits[t] as f64 / temperature - (-u.ln()).ln()));
+                            let expected = scores.max_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0 as u32;
+                            let what = format!("vocab {vocab} {spread} T {temperature} {top_k:?} index {ahead}");
+                            assert_eq!(sampler.pick(&logits, ahead), expected, "{what}");
+                            // Whether the bounds skip anything at all (else the test shows little).
+                            let first =
+                                candidates.iter().map(|&t| logits[t]).fold(f32::MIN, f32::max) as f64 / temperature;
+                            skipped_some |= candidates.iter().any(|&t| first - (logits[t] as f64) / temperature > 40.0);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(skipped_some);
     }
 
     /// Top-k and top-p's candidates as first written: every finite token sorted by logit (equal
