@@ -54,6 +54,10 @@ impl Sampler {
         if params.top_k == Some(0) {
             bail!("top-k must be at least 1");
         }
+        // Top-p 1 keeps every token: the plain draw, without top-p's softmax and cut over the
+        // whole vocabulary (as transformers leaves out its top-p warper at 1, and the server
+        // maps an API request's `top_p: 1`).
+        let params = SamplingParams { top_p: params.top_p.filter(|&p| p < 1.0), ..params };
         Ok(Sampler { params, given: 0 })
     }
 
@@ -770,6 +774,22 @@ mod tests {
             assert_eq!(a, uniforms(seed, index, &tokens, false));
             assert!(a.iter().all(|u| (0.0..1.0).contains(u)));
             assert_ne!(a, uniforms(seed, index + 1, &tokens, true));
+        }
+    }
+
+    /// Top-p 1 draws what no top-p draws, token for token.
+    #[test]
+    fn top_p_one_is_no_top_p() {
+        let logits: Vec<f32> = (0..3000).map(|i| ((i * 37 % 101) as f32 * 0.13).sin() * 4.0).collect();
+        let with = Sampler::new(SamplingParams { temperature: 0.9, top_k: None, top_p: Some(1.0), seed: 8 }).unwrap();
+        let without = Sampler::new(SamplingParams { temperature: 0.9, top_k: None, top_p: None, seed: 8 }).unwrap();
+        let (mut a, mut b) = (with.distribution(&logits), without.distribution(&logits));
+        a.sort_by_key(|d| d.0);
+        b.sort_by_key(|d| d.0);
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().zip(&b).all(|(x, y)| x.0 == y.0 && (x.1 - y.1).abs() < 1e-12));
+        for ahead in 0..50 {
+            assert_eq!(with.pick(&logits, ahead), without.pick(&logits, ahead));
         }
     }
 
