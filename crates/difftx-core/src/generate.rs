@@ -150,6 +150,31 @@ impl Sampler {
     }
 }
 
+/// Logit values (rows × vocabulary) from which [`sample_rows`] spreads its draws over the decode
+/// team: a 32,000-token draw takes ~0.4 ms (docs/design.md §7.33), so sixteen requests' draws in
+/// turn took longer than their batched step; below this a split costs more than it saves.
+const SPLIT_DRAWS_FROM: usize = 1 << 16;
+
+/// Each request's next token from its own row of `logits` (`[rows, vocab]`, a batched step's),
+/// what `samplers[i].sample(row i)` in turn gives: a draw depends on its sampler and its row
+/// only, so a big batch's draws run side by side on the decode team's threads (awake right after
+/// the step that made the logits).
+pub fn sample_rows(samplers: &mut [&mut Sampler], logits: &[f32]) -> Vec<u32> {
+    if samplers.is_empty() {
+        return Vec::new();
+    }
+    let vocab = logits.len() / samplers.len();
+    assert_eq!(logits.len(), samplers.len() * vocab, "sample_rows: one row of logits per sampler");
+    let mut draws: Vec<(&mut Sampler, &[f32], u32)> =
+        samplers.iter_mut().zip(logits.chunks_exact(vocab)).map(|(s, row)| (&mut **s, row, 0)).collect();
+    if logits.len() >= SPLIT_DRAWS_FROM {
+        difftx_kernels::team::for_each_mut(&mut draws, |_, (sampler, row, token)| *token = sampler.sample(row));
+    } else {
+        draws.iter_mut().for_each(|(sampler, row, token)| *token = sampler.sample(row));
+    }
+    draws.into_iter().map(|(_, _, token)| token).collect()
+}
+
 /// The uniforms in [0, 1) of `tokens` for the token given out at `index`: token t's is the t-th
 /// f64 of a ChaCha stream keyed by the seed and the index (both whole: no two pairs share a
 /// stream), so a token's noise does not depend on which others are candidates. `seek`: each
@@ -774,6 +799,31 @@ mod tests {
             assert_eq!(a, uniforms(seed, index, &tokens, false));
             assert!(a.iter().all(|u| (0.0..1.0).contains(u)));
             assert_ne!(a, uniforms(seed, index + 1, &tokens, true));
+        }
+    }
+
+    /// A batch's draws, split over the team or in turn, are each request's own draws in turn:
+    /// 6 rows of 20,000 tokens (split) and of 300 (in turn), sampled and greedy requests mixed.
+    #[test]
+    fn a_batch_draws_what_each_request_draws_alone() {
+        for vocab in [20_000usize, 300] {
+            let rows = 6;
+            let logits: Vec<f32> = (0..rows * vocab).map(|i| ((i * 7919 % 1009) as f32 * 0.37).sin() * 6.0).collect();
+            let params = |r: usize| SamplingParams {
+                temperature: if r == 2 { 0.0 } else { 0.5 + r as f64 * 0.2 },
+                top_k: (r == 3).then_some(50),
+                top_p: (r == 4).then_some(0.9),
+                seed: r as u64,
+            };
+            let mut batch: Vec<Sampler> = (0..rows).map(|r| Sampler::new(params(r)).unwrap()).collect();
+            let mut alone: Vec<Sampler> = (0..rows).map(|r| Sampler::new(params(r)).unwrap()).collect();
+            for _ in 0..5 {
+                let mut refs: Vec<&mut Sampler> = batch.iter_mut().collect();
+                let drawn = sample_rows(&mut refs, &logits);
+                let expected: Vec<u32> =
+                    alone.iter_mut().zip(logits.chunks_exact(vocab)).map(|(s, row)| s.sample(row)).collect();
+                assert_eq!(drawn, expected, "vocab {vocab}");
+            }
         }
     }
 

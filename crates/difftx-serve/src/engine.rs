@@ -17,7 +17,7 @@
 
 use crate::metrics::Metrics;
 use anyhow::{Context, Result};
-use difftx_core::generate::{bf16_draft, Sampler, SamplingParams, SpeculativeDraft};
+use difftx_core::generate::{bf16_draft, sample_rows, Sampler, SamplingParams, SpeculativeDraft};
 use difftx_core::model::last_logits;
 use difftx_core::tokenizer::{StreamDecoder, Tokenizer};
 use difftx_core::{Decoder, KvCache, KvPrecision, Model, SequenceCache, WeightPrecision};
@@ -416,14 +416,13 @@ impl Worker {
                     continue;
                 }
             };
-            let vocab = logits.len() / running.len();
-            let mut row = 0;
+            let mut samplers: Vec<&mut Sampler> = running.iter_mut().map(|r| &mut r.sampler).collect();
+            let mut draws = sample_rows(&mut samplers, &logits).into_iter();
             running.retain_mut(|r| {
                 if let Some(d) = &mut r.drafter {
                     d.push(r.next);
                 }
-                let next = r.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-                row += 1;
+                let next = draws.next().expect("a draw per request");
                 let cached = r.cache.len();
                 !self.take_token(r, next, cached, context)
             });
