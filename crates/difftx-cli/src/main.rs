@@ -619,7 +619,7 @@ fn stream_generate(
     let ids = tok.encode(prompt)?;
     // Refused before the prompt is echoed, so that a refusal prints no text.
     check_prompt(&ids, model.config().max_seq_len)?;
-    let mut sampler = Sampler::new(params)?;
+    let mut sampler = Sampler::new(params)?.limited_to(tok.id_limit());
     let mut out = std::io::stdout().lock();
     write!(out, "{prompt}")?;
     let mut dec = StreamDecoder::new(tok);

@@ -436,6 +436,41 @@ fn bpe_tokenizer_trains_and_serves_training_and_generation() {
     assert!(text.starts_with("KING"), "{text}");
 }
 
+/// A config whose vocabulary is larger than its tokenizer's (4,096 ids, 256 bytes): the closing
+/// sample and `generate` draw only ids the tokenizer can decode (they drew past them and failed).
+#[test]
+fn a_vocabulary_larger_than_the_tokenizers_samples_only_its_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = small_text(tmp.path());
+    let cfg = serde_json::json!({
+        "family": "diff-v1", "vocab_size": 4096, "d_model": 32, "n_layers": 2, "n_heads": 4,
+        "n_kv_heads": 2, "d_ff": 64, "max_seq_len": 32
+    });
+    let cfg_path = tmp.path().join("wide.json");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let run_dir = tmp.path().join("run");
+    let mut args = train_args(cfg_path.to_str().unwrap(), data.to_str().unwrap(), run_dir.to_str().unwrap(), "diff-v1");
+    args[10] = "2";
+    *args.last_mut().unwrap() = "16";
+    let out = ok(&args);
+    assert!(out.contains("--- sample"), "{out}");
+    for temperature in ["1.0", "0"] {
+        let run = run_dir.to_str().unwrap();
+        let text = ok(&[
+            "generate",
+            "--model",
+            run,
+            "--prompt",
+            "KING",
+            "--max-new-tokens",
+            "16",
+            "--temperature",
+            temperature,
+        ]);
+        assert!(text.starts_with("KING"), "{text}");
+    }
+}
+
 #[test]
 fn compare_quick_writes_a_report_and_analyze_commands_run() {
     let tmp = tempfile::tempdir().unwrap();

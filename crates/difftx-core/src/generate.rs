@@ -38,6 +38,8 @@ pub struct Sampler {
     params: SamplingParams,
     /// Tokens given out so far: the index of the next one.
     given: u64,
+    /// Draws only among token ids below this (`limited_to`).
+    ids: usize,
 }
 
 impl Sampler {
@@ -58,7 +60,15 @@ impl Sampler {
         // whole vocabulary (as transformers leaves out its top-p warper at 1, and the server
         // maps an API request's `top_p: 1`).
         let params = SamplingParams { top_p: params.top_p.filter(|&p| p < 1.0), ..params };
-        Ok(Sampler { params, given: 0 })
+        Ok(Sampler { params, given: 0, ids: usize::MAX })
+    }
+
+    /// Draws only among the token ids below `ids`: those the tokenizer can decode, where the
+    /// model's vocabulary is larger than its tokenizer's (padded, or set larger by a config, whose
+    /// extra ids a short run leaves likely enough to be drawn).
+    pub fn limited_to(mut self, ids: usize) -> Self {
+        self.ids = ids;
+        self
     }
 
     /// Picks the next token from one position's logits.
@@ -71,6 +81,7 @@ impl Sampler {
     /// The token `sample` would give `ahead` calls from now if handed these logits then (no state
     /// changes): how a speculative pass draws its drafts and checks them.
     pub fn pick(&self, logits: &[f32], ahead: usize) -> u32 {
+        let logits = &logits[..self.ids.min(logits.len())];
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
@@ -131,6 +142,7 @@ impl Sampler {
     /// The distribution `sample` draws from: the tokens it may pick with their probabilities
     /// (summing to 1). Greedy, or logits none of which is finite: the argmax alone.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let logits = &logits[..self.ids.min(logits.len())];
         if self.params.temperature == 0.0 {
             return vec![(argmax(logits), 1.0)];
         }
@@ -824,6 +836,27 @@ mod tests {
                     alone.iter_mut().zip(logits.chunks_exact(vocab)).map(|(s, row)| s.sample(row)).collect();
                 assert_eq!(drawn, expected, "vocab {vocab}");
             }
+        }
+    }
+
+    /// A sampler limited to the tokenizer's ids never draws past them, greedy or sampled, even
+    /// where the ids past them have the largest logits; below them it draws as before.
+    #[test]
+    fn a_limited_sampler_draws_only_the_tokenizers_ids() {
+        let logits: Vec<f32> = (0..400).map(|i| if i >= 256 { 9.0 } else { (i as f32 * 0.7).sin() }).collect();
+        for params in [
+            SamplingParams { temperature: 0.0, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: None, top_p: None, seed: 2 },
+            SamplingParams { temperature: 1.0, top_k: Some(20), top_p: Some(0.9), seed: 2 },
+        ] {
+            let limited = Sampler::new(params.clone()).unwrap().limited_to(256);
+            let free = Sampler::new(params.clone()).unwrap();
+            for ahead in 0..200 {
+                assert!(limited.pick(&logits, ahead) < 256, "{params:?}");
+                assert_eq!(limited.pick(&logits, ahead), free.pick(&logits[..256], ahead), "{params:?}");
+            }
+            assert!(limited.distribution(&logits).iter().all(|d| d.0 < 256));
+            assert!(free.pick(&logits, 0) >= 256, "the test's extra ids must be the likely ones");
         }
     }
 

@@ -110,6 +110,15 @@ impl Tokenizer {
         }
     }
 
+    /// One past the largest id the tokenizer can decode (for HF the largest in its vocabulary
+    /// with added tokens, which may leave gaps below it): what a `Sampler` is limited to.
+    pub fn id_limit(&self) -> usize {
+        match self {
+            Tokenizer::Bytes => BYTE_VOCAB,
+            Tokenizer::Hf(tok) => tok.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1),
+        }
+    }
+
     /// Encode text to ids, without adding special tokens.
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         match self {

@@ -167,8 +167,15 @@ impl Engine {
         let cancel = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let worker =
-            Worker { tokenizer, opts, jobs, cancel: cancel.clone(), stop: stop.clone(), metrics: metrics.clone() };
+        let worker = Worker {
+            token_ids: tokenizer.id_limit(),
+            tokenizer,
+            opts,
+            jobs,
+            cancel: cancel.clone(),
+            stop: stop.clone(),
+            metrics: metrics.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("difftx-decode".into())
             .spawn(move || worker.run(&model, ready_tx))
@@ -294,6 +301,9 @@ impl Cache {
 /// The engine thread's state.
 struct Worker {
     tokenizer: Arc<Tokenizer>,
+    /// The tokenizer's `id_limit`, which every request's sampler draws below (computed once: a
+    /// Hugging Face tokenizer's is a pass over its vocabulary).
+    token_ids: usize,
     opts: EngineOptions,
     jobs: Receiver<Job>,
     cancel: Arc<AtomicBool>,
@@ -474,7 +484,7 @@ impl Worker {
         context: usize,
     ) -> Option<Running<'t>> {
         let started = || -> Result<(Cache, Sampler, Vec<f32>)> {
-            let sampler = Sampler::new(job.sampling.clone())?;
+            let sampler = Sampler::new(job.sampling.clone())?.limited_to(self.token_ids);
             let (cache, logits) =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prefill(&job.prompt)))
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("internal error: the prompt's pass panicked")))?;

@@ -91,6 +91,30 @@ fn metric(text: &str, name: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vocabulary_larger_than_the_tokenizers_draws_only_its_ids() {
+    // 4,096 ids and the byte tokenizer's 256: random weights make the extra ids the likely ones,
+    // which the server drew (and failed to decode) before its samplers were limited.
+    let root = tempfile::tempdir().unwrap();
+    let mut cfg = ModelConfig::preset("nano", Family::DiffV1).unwrap();
+    cfg.vocab_size = 4096;
+    let dir = root.path().join("wide");
+    checkpoint::save_model(&dir, &cfg, &init_weights(&cfg, 7, DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let server = Server::start(&dir, opts()).await.unwrap();
+    let c = Client::new(&server);
+    let requests = (0..3).map(|seed| {
+        let c = &c;
+        async move {
+            let req = json!({"prompt": "ROMEO:", "max_tokens": 24, "temperature": 1.0, "seed": seed});
+            c.post("/v1/completions", req).await
+        }
+    });
+    for (status, v) in futures_util::future::join_all(requests).await {
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_chat_and_streams_agree() {
     let root = tempfile::tempdir().unwrap();
     let dir = model_dir(root.path(), Family::DiffV1, 256);
