@@ -91,27 +91,40 @@ fn metric(text: &str, name: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vocabulary_larger_than_the_tokenizers_draws_only_its_ids() {
-    // 4,096 ids and the byte tokenizer's 256: random weights make the extra ids the likely ones,
-    // which the server drew (and failed to decode) before its samplers were limited.
+async fn a_vocabulary_larger_than_the_tokenizers_draws_only_its_ids_alone_or_batched() {
+    // 32,000 ids and the byte tokenizer's 256: random weights make the extra ids the likely ones,
+    // which the server drew (and failed to decode) before its samplers were limited. Batched, two
+    // or more such rows split their draws over the decode team: each request's text must be its
+    // text alone.
     let root = tempfile::tempdir().unwrap();
     let mut cfg = ModelConfig::preset("nano", Family::DiffV1).unwrap();
-    cfg.vocab_size = 4096;
+    cfg.vocab_size = 32_000;
     let dir = root.path().join("wide");
     checkpoint::save_model(&dir, &cfg, &init_weights(&cfg, 7, DType::F32, &Device::Cpu).unwrap()).unwrap();
     let server = Server::start(&dir, opts()).await.unwrap();
     let c = Client::new(&server);
-    let requests = (0..3).map(|seed| {
-        let c = &c;
-        async move {
-            let req = json!({"prompt": "ROMEO:", "max_tokens": 24, "temperature": 1.0, "seed": seed});
-            c.post("/v1/completions", req).await
-        }
-    });
-    for (status, v) in futures_util::future::join_all(requests).await {
+    let reqs: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({"prompt": format!("Request {i}"), "max_tokens": 40, "seed": i,
+                   "temperature": if i == 0 { 0.0 } else { 1.0 }, "top_p": if i == 3 { 0.9 } else { 1.0 }})
+        })
+        .collect();
+    let mut alone = Vec::new();
+    for r in &reqs {
+        let (status, v) = c.post("/v1/completions", r.clone()).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+        alone.push(text_of(&v));
     }
+    let together = futures_util::future::join_all(reqs.iter().map(|r| c.post("/v1/completions", r.clone()))).await;
+    for (i, (status, v)) in together.iter().enumerate() {
+        assert_eq!(*status, 200, "{v}");
+        assert_eq!(text_of(v), alone[i], "request {i} differs in a batch");
+    }
+    let (_, m) = c.get_text("/metrics").await;
+    let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
+    assert!(one.trim().parse::<f64>().unwrap() < metric(&m, "difftx_batch_size_count"), "no step ran two:\n{m}");
+    server.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
