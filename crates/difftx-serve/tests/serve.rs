@@ -80,6 +80,27 @@ fn text_of(v: &Value) -> String {
     c["text"].as_str().or(c["message"]["content"].as_str()).unwrap().to_string()
 }
 
+/// Sends each request alone, then all of them at once: every one answers 200 and, in the batch,
+/// the text it gave alone. Returns the server's metrics after.
+async fn alone_then_together(c: &Client, reqs: &[Value]) -> String {
+    let mut alone = Vec::new();
+    for r in reqs {
+        let (status, v) = c.post("/v1/completions", r.clone()).await;
+        assert_eq!(status, 200, "{v}");
+        alone.push(text_of(&v));
+    }
+    let together = futures_util::future::join_all(reqs.iter().map(|r| c.post("/v1/completions", r.clone()))).await;
+    for (i, (status, v)) in together.iter().enumerate() {
+        assert_eq!(*status, 200, "{v}");
+        assert_eq!(text_of(v), alone[i], "request {i} differs in a batch");
+    }
+    let (_, m) = c.get_text("/metrics").await;
+    // Some steps ran more than one request.
+    let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
+    assert!(one.trim().parse::<f64>().unwrap() < metric(&m, "difftx_batch_size_count"), "no step ran two:\n{m}");
+    m
+}
+
 /// The value of an unlabelled metric in Prometheus text.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
@@ -109,21 +130,8 @@ async fn a_vocabulary_larger_than_the_tokenizers_draws_only_its_ids_alone_or_bat
                    "temperature": if i == 0 { 0.0 } else { 1.0 }, "top_p": if i == 3 { 0.9 } else { 1.0 }})
         })
         .collect();
-    let mut alone = Vec::new();
-    for r in &reqs {
-        let (status, v) = c.post("/v1/completions", r.clone()).await;
-        assert_eq!(status, 200, "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
-        alone.push(text_of(&v));
-    }
-    let together = futures_util::future::join_all(reqs.iter().map(|r| c.post("/v1/completions", r.clone()))).await;
-    for (i, (status, v)) in together.iter().enumerate() {
-        assert_eq!(*status, 200, "{v}");
-        assert_eq!(text_of(v), alone[i], "request {i} differs in a batch");
-    }
-    let (_, m) = c.get_text("/metrics").await;
-    let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
-    assert!(one.trim().parse::<f64>().unwrap() < metric(&m, "difftx_batch_size_count"), "no step ran two:\n{m}");
+    let m = alone_then_together(&c, &reqs).await;
+    assert_eq!(metric(&m, "difftx_generated_tokens_total"), 8.0 * 40.0, "{m}");
     server.shutdown().await.unwrap();
 }
 
@@ -237,20 +245,7 @@ async fn batched_equals_alone(weights: ServeWeights, kv_cache: KvPrecision, spec
                    "temperature": if i % 3 == 0 { 0.0 } else { 0.8 }, "top_p": if i % 2 == 0 { 1.0 } else { 0.9 }})
         })
         .collect();
-    let mut alone = Vec::new();
-    for r in &reqs {
-        alone.push(text_of(&c.post("/v1/completions", r.clone()).await.1));
-    }
-    let together = futures_util::future::join_all(reqs.iter().map(|r| c.post("/v1/completions", r.clone()))).await;
-    for (i, (status, v)) in together.iter().enumerate() {
-        assert_eq!(*status, 200, "{v}");
-        assert_eq!(text_of(v), alone[i], "request {i} differs in a batch");
-    }
-    let (_, m) = c.get_text("/metrics").await;
-    // Some steps ran more than one request.
-    let one = m.lines().find_map(|l| l.strip_prefix("difftx_batch_size_bucket{le=\"1\"} ")).unwrap();
-    let count = metric(&m, "difftx_batch_size_count");
-    assert!(one.trim().parse::<f64>().unwrap() < count, "no step ran two requests together:\n{m}");
+    let m = alone_then_together(&c, &reqs).await;
     // Requests alone ran speculative passes (only then).
     let drafted = metric(&m, "difftx_speculative_drafted_tokens_total");
     assert_eq!(drafted > 0.0, speculative.is_some(), "{m}");
