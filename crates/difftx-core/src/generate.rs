@@ -57,8 +57,8 @@ impl Sampler {
             bail!("top-k must be at least 1");
         }
         // Top-p 1 keeps every token: the plain draw, without top-p's softmax and cut over the
-        // whole vocabulary (as transformers leaves out its top-p warper at 1, and the server
-        // maps an API request's `top_p: 1`).
+        // whole vocabulary (as transformers leaves out its top-p warper at 1); the server passes
+        // an API request's `top_p` (1 by default) through to here.
         let params = SamplingParams { top_p: params.top_p.filter(|&p| p < 1.0), ..params };
         Ok(Sampler { params, given: 0, ids: usize::MAX })
     }
@@ -112,7 +112,7 @@ impl Sampler {
     /// Equal logits are ranked by token id, so the kept set is a function of the logits alone.
     fn candidates(&self, logits: &[f32]) -> (Vec<usize>, Option<Vec<f64>>) {
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
-        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let by_logit = |a: &usize, b: &usize| rank_order((logits[*a], *a), (logits[*b], *b));
         if let Some(k) = self.params.top_k {
             if k < idx.len() {
                 idx.select_nth_unstable_by(k - 1, by_logit);
@@ -276,10 +276,16 @@ struct Ranked {
 }
 
 impl Ranked {
-    /// Larger logits first, equal ones by id: the order top-k uses.
+    /// [`rank_order`], the order top-k uses.
     fn rank(a: &Ranked, b: &Ranked) -> std::cmp::Ordering {
-        b.logit.total_cmp(&a.logit).then(a.token.cmp(&b.token))
+        rank_order((a.logit, a.token), (b.logit, b.token))
     }
+}
+
+/// The order top-k and top-p rank tokens in, as `(logit, id)`: larger logits first, equal ones
+/// by id, so a kept set is a function of the logits alone.
+fn rank_order(a: (f32, usize), b: (f32, usize)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// Top-p's cut: moves the fewest highest-ranked tokens whose probabilities reach `top_p` to the

@@ -265,7 +265,7 @@ fn prepare(
     Ok(Prepared {
         prompt,
         max_tokens,
-        sampling: SamplingParams { temperature, top_k, top_p: (top_p < 1.0).then_some(top_p), seed },
+        sampling: SamplingParams { temperature, top_k, top_p: gen.top_p, seed },
         stop,
         stream: gen.stream,
         include_usage: gen.stream_options.as_ref().is_some_and(|o| o.include_usage),
