@@ -255,9 +255,10 @@ struct GenerateArgs {
     /// this many tokens at a time and the decoder at --precision checks them in one pass, keeping
     /// the drafts it would have picked itself (greedy, or sampled: a draw depends only on --seed,
     /// the token's index and the logits). The text is that of plain decoding at --precision with
-    /// the same --temperature, --top-k, --top-p and --seed; what changes is the speed (faster when
-    /// reading the weights bounds a step, as f32 at batch 1 does: docs/design.md §7.27, §7.32).
-    /// Needs --weights f32.
+    /// the same --temperature, --top-k, --top-p and --seed; what changes is the speed: faster when
+    /// reading the weights from memory bounds a step, as f32 at batch 1 does on most hosts
+    /// (docs/design.md §7.27, §7.32), slower where the f32 weights stay in the L3 cache (a Zen 4
+    /// with 32 MiB: 0.75-0.96x plain, §7.34); `difftx bench` measures both. Needs --weights f32.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
 }
@@ -291,9 +292,10 @@ struct ServeArgs {
     /// Speculative decoding for a request while it runs alone: a copy of the model with bf16
     /// weights and a bf16 cache drafts up to this many tokens at a time and the model checks
     /// them in one pass (`generate --speculative`). A request gets the same text as without,
-    /// greedy or sampled with its seed; a lone request is faster where reading the weights
-    /// bounds a step (f32 weights: docs/design.md §7.27, §7.32), at the cost of the copy's memory
-    /// (half the f32 weights) and its cache per request. Needs --weights f32, bf16 or int8.
+    /// greedy or sampled with its seed; a lone request is faster where reading the weights from
+    /// memory bounds a step (f32 weights: docs/design.md §7.27, §7.32), slower where they stay
+    /// in the L3 cache (§7.34), at the cost of the copy's memory (half the f32 weights) and its
+    /// cache per request. Needs --weights f32, bf16 or int8.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
     /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.

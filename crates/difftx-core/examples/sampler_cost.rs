@@ -10,14 +10,18 @@ use std::time::Instant;
 fn main() -> anyhow::Result<()> {
     // An optional argument keeps the cases whose name starts with it (for perf).
     let only = std::env::args().nth(1).unwrap_or_default();
+    const CASES: [(&str, Option<usize>, Option<f64>); 3] =
+        [("temperature", None, None), ("top_k_40", Some(40), None), ("top_p_0.9", None, Some(0.9))];
+    if !CASES.iter().any(|(case, ..)| case.starts_with(&only)) {
+        let names: Vec<&str> = CASES.iter().map(|(case, ..)| *case).collect();
+        anyhow::bail!("no case starts with {only:?}; the cases are {}", names.join(", "));
+    }
     for vocab in [256usize, 32_000, 128_256] {
         // Spread, unrepeated values, as a model's logits are.
         let logits: Vec<f32> =
             (0..vocab).map(|i| (((i as f64 * 12.9898).sin() * 43758.5453).fract() * 8.0) as f32).collect();
         let draws = if vocab > 1000 { 200 } else { 20_000 };
-        for (case, top_k, top_p) in
-            [("temperature", None, None), ("top_k_40", Some(40), None), ("top_p_0.9", None, Some(0.9))]
-        {
+        for (case, top_k, top_p) in CASES {
             if !case.starts_with(&only) {
                 continue;
             }

@@ -98,9 +98,7 @@ pub(crate) fn greedy(model: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>
         }
         let logits = model.forward(&input, Some(&mut cache))?;
         let l = last_logits(&logits)?;
-        let next =
-            l.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
-                as u32;
+        let next = difftx_core::generate::argmax(&l);
         out.push(next);
         input = Tensor::new(&[next], model.device())?.unsqueeze(0)?;
     }
