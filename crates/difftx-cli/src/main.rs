@@ -258,7 +258,7 @@ struct GenerateArgs {
     /// the same --temperature, --top-k, --top-p and --seed; what changes is the speed: faster when
     /// reading the weights from memory bounds a step, as f32 at batch 1 does on most hosts
     /// (docs/design.md §7.27, §7.32), slower where the f32 weights stay in the L3 cache (a Zen 4
-    /// with 32 MiB: 0.75-0.96x plain, §7.34); `difftx bench` measures both. Needs --weights f32.
+    /// with 32 MiB: 0.67-1.00x plain, §7.34); `difftx bench` measures both. Needs --weights f32.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
 }
@@ -293,9 +293,9 @@ struct ServeArgs {
     /// weights and a bf16 cache drafts up to this many tokens at a time and the model checks
     /// them in one pass (`generate --speculative`). A request gets the same text as without,
     /// greedy or sampled with its seed; a lone request is faster where reading the weights from
-    /// memory bounds a step (f32 weights: docs/design.md §7.27, §7.32), slower where they stay
-    /// in the L3 cache (§7.34), at the cost of the copy's memory (half the f32 weights) and its
-    /// cache per request. Needs --weights f32, bf16 or int8.
+    /// memory bounds a step (f32 weights: docs/design.md §7.27, §7.32), no faster where they
+    /// stay in the L3 cache (§7.34), at the cost of the copy's memory (half the f32 weights) and
+    /// its cache per request. Needs --weights f32, bf16 or int8.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
     /// Requests waiting for a slot at most; beyond it the server answers 503 with Retry-After.
