@@ -162,10 +162,10 @@ impl Sampler {
     }
 }
 
-/// Logit values (rows × vocabulary) from which [`sample_rows`] spreads two or more rows' draws
-/// over the decode team (two rows of a 32,000-token vocabulary): such a draw takes ~0.4 ms
-/// (docs/design.md §7.33), and sixteen requests' draws in turn took longer than their batched
-/// step; below this a split costs more than it saves.
+/// Logit values (rows × vocabulary) from which [`sample_rows`] spreads its rows' draws over the
+/// decode team (two rows of a 32,000-token vocabulary; a single row runs on the calling thread
+/// either way): such a draw takes ~0.4 ms (docs/design.md §7.33), and sixteen requests' draws in
+/// turn took longer than their batched step; below this a split costs more than it saves.
 const SPLIT_DRAWS_FROM: usize = 1 << 15;
 
 /// Each request's next token from its own row of `logits` (`[rows, vocab]`, a batched step's),
@@ -180,7 +180,7 @@ pub fn sample_rows(samplers: &mut [&mut Sampler], logits: &[f32]) -> Vec<u32> {
     assert_eq!(logits.len(), samplers.len() * vocab, "sample_rows: one row of logits per sampler");
     let mut draws: Vec<(&mut Sampler, &[f32], u32)> =
         samplers.iter_mut().zip(logits.chunks_exact(vocab)).map(|(s, row)| (&mut **s, row, 0)).collect();
-    if draws.len() > 1 && logits.len() >= SPLIT_DRAWS_FROM {
+    if logits.len() >= SPLIT_DRAWS_FROM {
         difftx_kernels::team::for_each_mut(&mut draws, |_, (sampler, row, token)| *token = sampler.sample(row));
     } else {
         draws.iter_mut().for_each(|(sampler, row, token)| *token = sampler.sample(row));
