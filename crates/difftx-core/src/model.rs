@@ -250,6 +250,17 @@ impl Linear {
     }
 }
 
+/// The linear layers that read one input as one product `x·[W1; W2; ..]ᵀ`, `[N, Σ out]`: one pass
+/// over x and one `dx` product instead of one per layer. `None` (run them one by one) where a
+/// weight is quantised or the reference kernels run.
+fn joined_linear(x: &Tensor, ws: &[&Linear], opts: &RunOptions) -> Result<Option<Tensor>> {
+    if opts.kernels == Kernels::Reference || ws.iter().any(|w| w.quantized.is_some()) {
+        return Ok(None);
+    }
+    let w = Tensor::cat(&ws.iter().map(|w| &w.w).collect::<Vec<_>>(), 0)?;
+    Ok(Some(linear(x, &Linear::new(w), opts)?))
+}
+
 /// x: [N, in] times w: [out, in] -> [N, out] (PyTorch's Linear layout, no bias).
 fn linear(x: &Tensor, w: &Linear, opts: &RunOptions) -> Result<Tensor> {
     use candle_core::Module;
@@ -456,9 +467,21 @@ impl Attention {
     /// Q, K, V projections, RoPE at absolute positions, and the KV cache.
     fn project(&self, x: &Tensor, step: &Step, cache: Option<&mut candle_nn::kv_cache::KvCache>) -> Result<Heads> {
         let (b, t, d, opts) = (step.batch, step.len, self.head_dim, step.opts);
-        let q = linear(x, &self.q_proj, opts)?.reshape((b, t, self.n_q, d))?;
-        let k = linear(x, &self.k_proj, opts)?.reshape((b, t, self.n_kv, d))?;
-        let v = linear(x, &self.v_proj, opts)?.reshape((b, t, self.n_kv, d))?;
+        let (n_q, n_kv) = (self.n_q, self.n_kv);
+        let (q, k, v) = match joined_linear(x, &[&self.q_proj, &self.k_proj, &self.v_proj], opts)? {
+            // Every position's q, k and v heads side by side, [B, T, Hq + 2Hkv, d]: the kernels
+            // below read each part in place, and its gradient comes back into one buffer
+            // (vendor/README.md).
+            Some(qkv) => {
+                let qkv = qkv.reshape((b, t, n_q + 2 * n_kv, d))?;
+                (qkv.narrow(2, 0, n_q)?, qkv.narrow(2, n_q, n_kv)?, qkv.narrow(2, n_q + n_kv, n_kv)?)
+            }
+            None => (
+                linear(x, &self.q_proj, opts)?.reshape((b, t, n_q, d))?,
+                linear(x, &self.k_proj, opts)?.reshape((b, t, n_kv, d))?,
+                linear(x, &self.v_proj, opts)?.reshape((b, t, n_kv, d))?,
+            ),
+        };
         // [B, T, heads, d] -> [B, heads, T, d]
         let q = step.rope.apply_to_heads(&q, step.offset, opts.kernels)?;
         let k = step.rope.apply_to_heads(&k, step.offset, opts.kernels)?;

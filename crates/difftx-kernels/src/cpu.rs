@@ -38,6 +38,39 @@ pub(crate) fn storage_slice<'a, T: Float>(s: &'a CpuStorage, l: &Layout) -> Resu
     }
 }
 
+/// The position stride of a `[B, T, H, d]` layout whose positions may be spaced out: each
+/// position's `H·d` values contiguous, position `b·T + t` starting `stride` values after position
+/// `b·T + t − 1` (`stride ≥ H·d`; `H·d` when contiguous). Such are the heads narrowed out of a
+/// joined projection `[B, T, H1 + H2 + .., d]` along dim 2. `None` for other layouts.
+pub(crate) fn position_stride(l: &Layout) -> Option<usize> {
+    let (b, t, h, d) = l.shape().dims4().ok()?;
+    if l.is_contiguous() {
+        return Some(h * d);
+    }
+    let st = l.stride();
+    if !((d <= 1 || st[3] == 1) && (h <= 1 || st[2] == d)) {
+        return None;
+    }
+    let stride = match (b, t) {
+        (0, _) | (_, 0) | (1, 1) => h * d,
+        (1, _) => st[1],
+        (_, 1) => st[0],
+        _ if st[0] == t * st[1] => st[1],
+        _ => return None,
+    };
+    (stride >= h * d).then_some(stride)
+}
+
+/// The values of a [`position_stride`]d layout: the slice from its first value to its last
+/// (`None` where [`position_stride`] is).
+pub(crate) fn position_rows<'a, T: Float>(s: &'a CpuStorage, l: &Layout) -> Result<Option<(&'a [T], usize)>> {
+    let Some(stride) = position_stride(l) else { return Ok(None) };
+    let (b, t, h, d) = l.shape().dims4()?;
+    let start = l.start_offset();
+    let len = if b * t * h * d == 0 { 0 } else { (b * t - 1) * stride + h * d };
+    Ok(Some((&s.as_slice::<T>()?[start..start + len], stride)))
+}
+
 /// Runs `f` on the contiguous CPU data of `t` (made contiguous first if needed; no copy otherwise).
 pub(crate) fn with_slice<T: Float, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
@@ -141,6 +174,28 @@ pub(crate) fn filled<T: Copy>(c: &mut [MaybeUninit<T>], value: T) -> &mut [T] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Contiguous layouts and heads narrowed out of a wider row have a position stride (whatever
+    /// the sizes of one), other views none.
+    #[test]
+    fn position_strides_of_narrowed_heads_and_of_other_views() -> Result<()> {
+        let x = Tensor::zeros((2, 5, 7, 4), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        let stride = |t: &Tensor| position_stride(t.layout());
+        assert_eq!(stride(&x), Some(28));
+        assert_eq!(stride(&x.narrow(2, 3, 2)?), Some(28));
+        assert_eq!(stride(&x.narrow(2, 0, 7)?), Some(28));
+        assert_eq!(stride(&x.narrow(2, 1, 2)?.narrow(1, 4, 1)?), Some(140), "one position per batch");
+        assert_eq!(stride(&x.narrow(2, 1, 2)?.narrow(0, 1, 1)?.narrow(1, 2, 1)?), Some(8), "one position");
+        assert_eq!(stride(&x.narrow(1, 1, 3)?), None, "positions of a batch not evenly spaced");
+        assert_eq!(stride(&x.narrow(3, 0, 2)?), None, "heads not packed");
+        assert_eq!(stride(&x.transpose(1, 2)?), None);
+        let part = x.narrow(2, 3, 2)?;
+        let (s, l) = part.storage_and_layout();
+        let Storage::Cpu(cs) = &*s else { unreachable!("a CPU tensor") };
+        let (rows, at) = position_rows::<f32>(cs, l)?.expect("narrowed heads");
+        assert_eq!((rows.len(), at), (9 * 28 + 8, 28));
+        Ok(())
+    }
 
     /// Every chunk is handed out once (zero-filled by par_output), with its index and length
     /// (the last one shorter); nothing is left unwritten, at lengths around the chunk size and zero.

@@ -3,20 +3,21 @@
 //! of the gradient. candle's `transpose(1, 2)?.contiguous()` copies on the calling thread, one
 //! `d`-element `memcpy` at a time.
 
-use crate::cpu::{min_rows, par_output_uninit, storage_slice, with_slice};
+use crate::cpu::{min_rows, par_output_uninit, position_rows, position_stride, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 /// `x.transpose(1, 2)?.contiguous()` for x `[B, N1, N2, d]`: `[B, N2, N1, d]`, with backward.
-/// f32 and f64.
+/// f32 and f64. x may be heads narrowed out of a wider `[B, N1, N2', d]` (read in place).
 pub fn swap_dims12(x: &Tensor) -> Result<Tensor> {
     match x.dtype() {
         DType::F32 | DType::F64 => {}
         dt => bail!("difftx_kernels::swap_dims12: unsupported dtype {dt:?} (f32, f64 only)"),
     }
     x.dims4()?;
-    x.contiguous()?.apply_op1(SwapDims12)
+    let x = if position_stride(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
+    x.apply_op1(SwapDims12)
 }
 
 /// The input row (of `d` values) that row `r` of the swapped output `[B, n2, n1]` comes from,
@@ -29,21 +30,25 @@ pub(crate) fn swapped_row(r: usize, n1: usize, n2: usize) -> (usize, usize, usiz
     ((b * n1 + i) * n2 + j, i, j)
 }
 
-/// `x` `[B, n1, n2, d]` into a new `[B, n2, n1, d]` buffer, written on the pool (see
+/// `x` `[B, n1, n2, d]`, its `(b, n1)` rows of `n2·d` values `stride` apart (`n2·d` when
+/// contiguous), into a new `[B, n2, n1, d]` buffer, written on the pool (see
 /// [`par_output_uninit`]).
-fn swap<T: Float>(x: &[T], n1: usize, n2: usize, d: usize) -> Vec<T> {
-    if d == 0 || n1 == 0 || n2 == 0 {
-        return vec![T::ZERO; x.len()];
+fn swap<T: Float>(x: &[T], (b, n1, n2, d): (usize, usize, usize, usize), stride: usize) -> Vec<T> {
+    let len = b * n1 * n2 * d;
+    if len == 0 {
+        return Vec::new();
     }
-    assert_eq!(x.len() % d, 0, "swap_dims12: rows of {d}");
+    assert!(stride >= n2 * d && x.len() >= (b * n1 - 1) * stride + n2 * d, "swap_dims12: {} values", x.len());
     let rows = min_rows(d, 8192);
-    // SAFETY: every chunk is whole rows of d (x.len() and the chunk are multiples of d), and
-    // each row is written whole from its source row.
+    // SAFETY: every chunk is whole rows of d (len and the chunk are multiples of d), and each
+    // row is written whole from its source row.
     unsafe {
-        par_output_uninit(x.len(), rows * d, |c, y| {
+        par_output_uninit(len, rows * d, |c, y| {
             for (k, yr) in y.chunks_mut(d).enumerate() {
-                let (src, _, _) = swapped_row(c * rows + k, n1, n2);
-                yr.write_copy_of_slice(&x[src * d..(src + 1) * d]);
+                // input row (b·n1 + i, j): `stride` per (b, i), d per j
+                let (src, _, j) = swapped_row(c * rows + k, n1, n2);
+                let at = (src / n2) * stride + j * d;
+                yr.write_copy_of_slice(&x[at..at + d]);
             }
         })
     }
@@ -52,9 +57,11 @@ fn swap<T: Float>(x: &[T], n1: usize, n2: usize, d: usize) -> Vec<T> {
 struct SwapDims12;
 
 fn fwd_typed<T: Float>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-    let x = storage_slice::<T>(s, l)?;
+    let Some((x, stride)) = position_rows::<T>(s, l)? else {
+        bail!("difftx-swap-dims12: x must be contiguous or heads narrowed out of a wider row, got {l:?}")
+    };
     let (b, n1, n2, d) = l.shape().dims4()?;
-    Ok((T::to_cpu_storage_owned(swap(x, n1, n2, d)), Shape::from_dims(&[b, n2, n1, d])))
+    Ok((T::to_cpu_storage_owned(swap(x, (b, n1, n2, d), stride)), Shape::from_dims(&[b, n2, n1, d])))
 }
 
 impl CustomOp1 for SwapDims12 {
@@ -74,12 +81,12 @@ impl CustomOp1 for SwapDims12 {
         let (b, n1, n2, d) = arg.dims4()?;
         let g = grad_res.to_dtype(arg.dtype())?;
         let dx = match arg.dtype() {
-            DType::F32 => {
-                with_slice::<f32, _>(&g, |gs| Tensor::from_vec(swap(gs, n2, n1, d), (b, n1, n2, d), arg.device()))?
-            }
-            DType::F64 => {
-                with_slice::<f64, _>(&g, |gs| Tensor::from_vec(swap(gs, n2, n1, d), (b, n1, n2, d), arg.device()))?
-            }
+            DType::F32 => with_slice::<f32, _>(&g, |gs| {
+                Tensor::from_vec(swap(gs, (b, n2, n1, d), n1 * d), (b, n1, n2, d), arg.device())
+            })?,
+            DType::F64 => with_slice::<f64, _>(&g, |gs| {
+                Tensor::from_vec(swap(gs, (b, n2, n1, d), n1 * d), (b, n1, n2, d), arg.device())
+            })?,
             dt => bail!("difftx-swap-dims12: unsupported dtype {dt:?}"),
         };
         Ok(Some(dx))

@@ -6,7 +6,7 @@
 //!   y_a = x_a·cos θ - x_b·sin θ,   y_b = x_a·sin θ + x_b·cos θ     (θ = θ[t + offset, i])
 //! The backward is the rotation by -θ (the same kernel with sin negated): the map is orthogonal.
 
-use crate::cpu::{as_uninit, min_rows, par_output_uninit, storage_slice, with_slice};
+use crate::cpu::{as_uninit, min_rows, par_output_uninit, position_rows, position_stride, storage_slice, with_slice};
 use crate::float::Float;
 
 use candle_core::backend::BackendStorage;
@@ -15,7 +15,8 @@ use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
 /// RoPE of x: [B, T, H, d] at positions offset..offset+T from tables cos, sin: [L, d/2], with
-/// backward for x (the tables get no gradient). f32 and f64; tables in x's dtype.
+/// backward for x (the tables get no gradient). f32 and f64; tables in x's dtype. x may be heads
+/// narrowed out of a wider `[B, T, H', d]` (read in place, no copy first).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: bool) -> Result<Tensor> {
     rope_op(x, cos, sin, offset, interleaved, Order::Same)
 }
@@ -53,7 +54,9 @@ fn rope_op(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: b
         inverse: false,
         order,
     };
-    x.contiguous()?.apply_op1(op)
+    // Heads narrowed out of a joined projection are read where they are.
+    let x = if position_stride(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
+    x.apply_op1(op)
 }
 
 /// Where an op's output rows go: the input's order `[B, T, H, d]` (`Same`), or swapped between
@@ -137,16 +140,17 @@ pub(crate) fn rope_kernel<T: Float>(
 }
 
 /// `rope_kernel` into a new buffer, written on the pool (see [`par_output_uninit`]), its rows in
-/// `order`; `dims` are `(b, t, h, d)`.
+/// `order`; `dims` are `(b, t, h, d)`. An input `[B, T, H, d]` (orders `Same`, `ToHeads`) has
+/// its positions `stride` values apart (`h·d` when contiguous, see [`position_stride`]).
 fn rope_new<T: Float>(
     x: &[T],
     tables: (&[T], &[T]),
     dims: (usize, usize, usize, usize),
     interleaved: bool,
     inverse: bool,
-    order: Order,
+    (order, stride): (Order, usize),
 ) -> Vec<T> {
-    rope_new_at(crate::cpu::BEST_ISA, x, tables, dims, interleaved, inverse, order)
+    rope_new_at(crate::cpu::BEST_ISA, x, tables, dims, interleaved, inverse, (order, stride))
 }
 
 /// [`rope_new`] with the instruction-set level capped at `isa` (tests compare the levels).
@@ -157,19 +161,22 @@ fn rope_new_at<T: Float>(
     dims: (usize, usize, usize, usize),
     interleaved: bool,
     inverse: bool,
-    order: Order,
+    (order, stride): (Order, usize),
 ) -> Vec<T> {
-    let (_, t, h, d) = dims;
-    if d == 0 || t == 0 || h == 0 {
-        return vec![T::ZERO; x.len()];
+    let (b, t, h, d) = dims;
+    let len = b * t * h * d;
+    if len == 0 {
+        return Vec::new();
     }
-    assert!(d.is_multiple_of(2) && x.len().is_multiple_of(d), "rope: heads of an even {d} values");
+    let stride = if order == Order::FromHeads { h * d } else { stride };
+    assert!(d.is_multiple_of(2) && stride >= h * d, "rope: heads of an even {d} values, positions {stride} apart");
+    assert!(x.len() >= (b * t - 1) * stride + h * d, "rope: {} values for {dims:?} at stride {stride}", x.len());
     let rows = min_rows(d, 8192);
     let chunk = simd::pick::<T>(isa);
-    let job = Job { x, tables, t, h, d, interleaved, inverse, order };
-    // SAFETY: every chunk is whole heads of d (x.len() and the chunk are multiples of d), and
+    let job = Job { x, tables, t, h, d, stride, interleaved, inverse, order };
+    // SAFETY: every chunk is whole heads of d (len and the chunk are multiples of d), and
     // rotate_head writes all d values of a head when d is even.
-    unsafe { par_output_uninit(x.len(), rows * d, |i, y| chunk(&job, i * rows, y)) }
+    unsafe { par_output_uninit(len, rows * d, |i, y| chunk(&job, i * rows, y)) }
 }
 
 /// What [`rope_new`]'s chunks share.
@@ -179,6 +186,8 @@ struct Job<'a, T> {
     t: usize,
     h: usize,
     d: usize,
+    /// Values from one position of the input to the next (orders `Same`, `ToHeads`).
+    stride: usize,
     interleaved: bool,
     inverse: bool,
     order: Order,
@@ -189,11 +198,11 @@ struct Job<'a, T> {
 /// time, docs/design.md §7.20).
 #[inline(always)]
 fn rope_chunk<T: Float>(job: &Job<T>, r0: usize, y: &mut [MaybeUninit<T>]) {
-    let Job { x, tables, t, h, d, interleaved, inverse, order } = *job;
+    let Job { x, tables, t, h, d, stride, interleaved, inverse, order } = *job;
     let mut walk = RowWalk::new(order, r0, t, h);
     for yh in y.chunks_mut(d) {
-        let (src, tt) = walk.source();
-        rotate_head(&x[src * d..(src + 1) * d], yh, tables, tt, interleaved, inverse);
+        let (at, tt) = walk.source(d, stride);
+        rotate_head(&x[at..at + d], yh, tables, tt, interleaved, inverse);
         walk.advance();
     }
 }
@@ -221,14 +230,16 @@ impl RowWalk {
         RowWalk { order, t, h, b, tt, hh }
     }
 
+    /// The input offset of the current row's `d` values (an input `[B, T, H, d]` with its
+    /// positions `stride` values apart, an input `[B, H, T, d]` contiguous) and its position.
     #[inline(always)]
-    fn source(&self) -> (usize, usize) {
+    fn source(&self, d: usize, stride: usize) -> (usize, usize) {
         let RowWalk { order, t, h, b, tt, hh } = *self;
         match order {
             // input [B, T, H]
-            Order::Same | Order::ToHeads => ((b * t + tt) * h + hh, tt),
+            Order::Same | Order::ToHeads => ((b * t + tt) * stride + hh * d, tt),
             // input [B, H, T]
-            Order::FromHeads => ((b * h + hh) * t + tt, tt),
+            Order::FromHeads => (((b * h + hh) * t + tt) * d, tt),
         }
     }
 
@@ -350,10 +361,16 @@ fn rotate_head<T: Float>(
 }
 
 fn fwd_typed<T: Float>(op: &Rope, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-    let x = storage_slice::<T>(s, l)?;
     let dims = op.order.b_t_h_d(l.shape().dims4()?);
+    let (x, stride) = match op.order {
+        Order::FromHeads => (storage_slice::<T>(s, l)?, dims.2 * dims.3),
+        Order::Same | Order::ToHeads => match position_rows::<T>(s, l)? {
+            Some(rows) => rows,
+            None => bail!("difftx-rope: x must be contiguous or heads narrowed out of a wider row, got {l:?}"),
+        },
+    };
     let y = with_slice::<T, _>(&op.cos, |c| {
-        with_slice::<T, _>(&op.sin, |sn| Ok(rope_new(x, (c, sn), dims, op.interleaved, op.inverse, op.order)))
+        with_slice::<T, _>(&op.sin, |sn| Ok(rope_new(x, (c, sn), dims, op.interleaved, op.inverse, (op.order, stride))))
     })?;
     let (b, t, h, d) = dims;
     let shape = match op.order {
@@ -405,7 +422,8 @@ mod tests {
                 let mut want = vec![0.0; x.len()];
                 rope_kernel(&x, &mut want, &cos, &sin, (b, t, h, d), interleaved, inverse);
                 for isa in 0..=crate::cpu::BEST_ISA {
-                    let got = rope_new_at(isa, &x, (&cos, &sin), (b, t, h, d), interleaved, inverse, Order::Same);
+                    let got =
+                        rope_new_at(isa, &x, (&cos, &sin), (b, t, h, d), interleaved, inverse, (Order::Same, h * d));
                     assert_eq!(got, want, "{:?} interleaved {interleaved} inverse {inverse} isa {isa}", (b, t, h, d));
                 }
             }
@@ -421,7 +439,8 @@ mod tests {
                 for r0 in 0..b * t * h {
                     let mut walk = RowWalk::new(order, r0, t, h);
                     for r in r0..b * t * h {
-                        assert_eq!(walk.source(), order.source(r, t, h), "{order:?} {:?} from {r0} at {r}", (b, t, h));
+                        let (src, tt) = order.source(r, t, h);
+                        assert_eq!(walk.source(3, 3 * h), (3 * src, tt), "{order:?} {:?} from {r0} at {r}", (b, t, h));
                         walk.advance();
                     }
                 }

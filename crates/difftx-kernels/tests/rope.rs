@@ -123,3 +123,54 @@ fn to_heads_equals_rope_then_transpose() {
         }
     }
 }
+
+/// Heads narrowed out of a joined projection `[B, T, Hq + Hk + Hv, d]` (the model's q, k and v,
+/// read in place) give what their contiguous copies give: `rope`, `rope_to_heads` and
+/// `swap_dims12`, forward and backward, each part and every part of one tensor together.
+#[test]
+fn heads_narrowed_out_of_a_joined_projection_equal_their_copies() {
+    let joined = [(2, 37, [3, 1, 1], 8, 5), (1, 1, [2, 2, 2], 4, 9), (3, 5, [4, 2, 2], 6, 0), (2, 1, [1, 1, 1], 2, 3)];
+    for dt in [DType::F32, DType::F64] {
+        for (si, &(b, t, parts, d, off)) in joined.iter().enumerate() {
+            let heads: usize = parts.iter().sum();
+            let (cos, sin) = tables(t + off, d / 2, dt).unwrap();
+            let x = Var::from_tensor(&rand_t(&[b, t, heads, d], si as u64, 1.0, dt).unwrap()).unwrap();
+            for interleaved in [false, true] {
+                // (name, op): each takes [B, T, h, d]
+                type Op<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
+                let ops: [(&str, Op); 3] = [
+                    ("rope", Box::new(|x: &Tensor| difftx_kernels::rope(x, &cos, &sin, off, interleaved))),
+                    (
+                        "rope_to_heads",
+                        Box::new(|x: &Tensor| difftx_kernels::rope_to_heads(x, &cos, &sin, off, interleaved)),
+                    ),
+                    ("swap_dims12", Box::new(difftx_kernels::swap_dims12)),
+                ];
+                for (name, op) in &ops {
+                    let what = format!("{dt:?} {:?} {name} interleaved={interleaved}", (b, t, parts, d, off));
+                    let (mut in_place, mut copied) = (Vec::new(), Vec::new());
+                    let (mut loss_in_place, mut loss_copied) = (Vec::new(), Vec::new());
+                    let mut start = 0;
+                    for (p, &h) in parts.iter().enumerate() {
+                        let part = x.as_tensor().narrow(2, start, h).unwrap();
+                        assert!(!part.is_contiguous() || parts.len() == 1 || b * t == 1, "{what}: a strided part");
+                        let y = op(&part).unwrap();
+                        let y_copy = op(&part.contiguous().unwrap()).unwrap();
+                        assert_eq!(flat(&y), flat(&y_copy), "{what}: part {p} forward");
+                        let w = rand_t(y.dims(), 50 + p as u64, 1.0, dt).unwrap();
+                        loss_in_place.push((&y * &w).unwrap().sum_all().unwrap());
+                        loss_copied.push((&y_copy * &w).unwrap().sum_all().unwrap());
+                        in_place.push(y);
+                        copied.push(y_copy);
+                        start += h;
+                    }
+                    let total = |l: &[Tensor]| l.iter().skip(1).fold(l[0].clone(), |a, b| (a + b).unwrap());
+                    let g_in_place = total(&loss_in_place).backward().unwrap();
+                    let g_copied = total(&loss_copied).backward().unwrap();
+                    let (gi, gc) = (g_in_place.get(x.as_tensor()).unwrap(), g_copied.get(x.as_tensor()).unwrap());
+                    assert_eq!(flat(gi), flat(gc), "{what}: backward");
+                }
+            }
+        }
+    }
+}

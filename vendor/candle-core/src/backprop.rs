@@ -166,7 +166,12 @@ impl Tensor {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
+        // difftx patch (vendor/README.md): the gradient of a tensor whose parts are narrowed out
+        // (q, k and v of one product) is written part by part into one buffer: per node, the
+        // buffer, the dimension and the regions written so far.
+        let mut assembled: HashMap<TensorId, (Tensor, usize, Vec<(usize, usize)>)> = HashMap::new();
         for node in sorted_nodes.iter() {
+            assembled.remove(&node.id());
             if node.is_variable() {
                 continue;
             }
@@ -546,6 +551,36 @@ impl Tensor {
                         *sum_grad = sum_grad.sub(&grad)?
                     }
                     &Op::Narrow(ref arg, dim, start_idx, len) => {
+                        // difftx patch: a part disjoint from those already in the node's
+                        // assembled buffer (still its whole gradient) is copied into it; the
+                        // first part of a node with no gradient yet starts a zero buffer.
+                        // Otherwise upstream's padded gradient and sum, as before.
+                        let disjoint = |regions: &[(usize, usize)]| {
+                            regions.iter().all(|&(s, l)| start_idx + len <= s || s + l <= start_idx)
+                        };
+                        let in_place = match assembled.get_mut(&arg.id()) {
+                            Some((buf, d, regions))
+                                if *d == dim
+                                    && disjoint(regions)
+                                    && grads.get(arg).is_some_and(|g| g.same_storage(buf)) =>
+                            {
+                                buf.slice_set(&grad.contiguous()?, dim, start_idx)?;
+                                regions.push((start_idx, len));
+                                true
+                            }
+                            _ => false,
+                        };
+                        if in_place {
+                            continue;
+                        }
+                        assembled.remove(&arg.id());
+                        if grads.get(arg).is_none() && len < arg.dims()[dim] {
+                            let buf = Tensor::zeros(arg.dims(), grad.dtype(), grad.device())?;
+                            buf.slice_set(&grad.contiguous()?, dim, start_idx)?;
+                            grads.insert(arg, buf.clone());
+                            assembled.insert(arg.id(), (buf, dim, vec![(start_idx, len)]));
+                            continue;
+                        }
                         let arg_dims = arg.dims();
                         let left_pad = if start_idx == 0 {
                             None
