@@ -148,7 +148,6 @@ fn heads_narrowed_out_of_a_joined_projection_equal_their_copies() {
                 ];
                 for (name, op) in &ops {
                     let what = format!("{dt:?} {:?} {name} interleaved={interleaved}", (b, t, parts, d, off));
-                    let (mut in_place, mut copied) = (Vec::new(), Vec::new());
                     let (mut loss_in_place, mut loss_copied) = (Vec::new(), Vec::new());
                     let mut start = 0;
                     for (p, &h) in parts.iter().enumerate() {
@@ -160,8 +159,6 @@ fn heads_narrowed_out_of_a_joined_projection_equal_their_copies() {
                         let w = rand_t(y.dims(), 50 + p as u64, 1.0, dt).unwrap();
                         loss_in_place.push((&y * &w).unwrap().sum_all().unwrap());
                         loss_copied.push((&y_copy * &w).unwrap().sum_all().unwrap());
-                        in_place.push(y);
-                        copied.push(y_copy);
                         start += h;
                     }
                     let total = |l: &[Tensor]| l.iter().skip(1).fold(l[0].clone(), |a, b| (a + b).unwrap());
