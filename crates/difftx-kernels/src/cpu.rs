@@ -61,6 +61,16 @@ pub(crate) fn position_stride(l: &Layout) -> Option<usize> {
     (stride >= h * d).then_some(stride)
 }
 
+/// `x` itself when its positions can be read where they are ([`position_stride`]), else a
+/// contiguous copy: what the ops that read `[B, T, H, d]` by positions take.
+pub(crate) fn positions_readable(x: &Tensor) -> Result<Tensor> {
+    if position_stride(x.layout()).is_some() {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
+    }
+}
+
 /// The values of a [`position_stride`]d layout: the slice from its first value to its last
 /// (`None` where [`position_stride`] is).
 pub(crate) fn position_rows<'a, T: Float>(s: &'a CpuStorage, l: &Layout) -> Result<Option<(&'a [T], usize)>> {

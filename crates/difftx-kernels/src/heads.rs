@@ -3,7 +3,7 @@
 //! of the gradient. candle's `transpose(1, 2)?.contiguous()` copies on the calling thread, one
 //! `d`-element `memcpy` at a time.
 
-use crate::cpu::{min_rows, par_output_uninit, position_rows, position_stride, with_slice};
+use crate::cpu::{min_rows, par_output_uninit, position_rows, positions_readable, with_slice};
 use crate::float::Float;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -16,8 +16,7 @@ pub fn swap_dims12(x: &Tensor) -> Result<Tensor> {
         dt => bail!("difftx_kernels::swap_dims12: unsupported dtype {dt:?} (f32, f64 only)"),
     }
     x.dims4()?;
-    let x = if position_stride(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
-    x.apply_op1(SwapDims12)
+    positions_readable(x)?.apply_op1(SwapDims12)
 }
 
 /// The input row (of `d` values) that row `r` of the swapped output `[B, n2, n1]` comes from,

@@ -6,7 +6,9 @@
 //!   y_a = x_a·cos θ - x_b·sin θ,   y_b = x_a·sin θ + x_b·cos θ     (θ = θ[t + offset, i])
 //! The backward is the rotation by -θ (the same kernel with sin negated): the map is orthogonal.
 
-use crate::cpu::{as_uninit, min_rows, par_output_uninit, position_rows, position_stride, storage_slice, with_slice};
+use crate::cpu::{
+    as_uninit, min_rows, par_output_uninit, position_rows, positions_readable, storage_slice, with_slice,
+};
 use crate::float::Float;
 
 use candle_core::backend::BackendStorage;
@@ -55,8 +57,7 @@ fn rope_op(x: &Tensor, cos: &Tensor, sin: &Tensor, offset: usize, interleaved: b
         order,
     };
     // Heads narrowed out of a joined projection are read where they are.
-    let x = if position_stride(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
-    x.apply_op1(op)
+    positions_readable(x)?.apply_op1(op)
 }
 
 /// Where an op's output rows go: the input's order `[B, T, H, d]` (`Same`), or swapped between
@@ -141,7 +142,9 @@ pub(crate) fn rope_kernel<T: Float>(
 
 /// `rope_kernel` into a new buffer, written on the pool (see [`par_output_uninit`]), its rows in
 /// `order`; `dims` are `(b, t, h, d)`. An input `[B, T, H, d]` (orders `Same`, `ToHeads`) has
-/// its positions `stride` values apart (`h·d` when contiguous, see [`position_stride`]).
+/// its positions `stride` values apart (`h·d` when contiguous, see
+/// [`crate::cpu::position_stride`]); an input `[B, H, T, d]` (`FromHeads`) is contiguous, `stride`
+/// `h·d`.
 fn rope_new<T: Float>(
     x: &[T],
     tables: (&[T], &[T]),
@@ -168,7 +171,6 @@ fn rope_new_at<T: Float>(
     if len == 0 {
         return Vec::new();
     }
-    let stride = if order == Order::FromHeads { h * d } else { stride };
     assert!(d.is_multiple_of(2) && stride >= h * d, "rope: heads of an even {d} values, positions {stride} apart");
     assert!(x.len() >= (b * t - 1) * stride + h * d, "rope: {} values for {dims:?} at stride {stride}", x.len());
     let rows = min_rows(d, 8192);
