@@ -1,6 +1,7 @@
 //! Times the fused decoder's steps: `decode_profile FAMILY BATCH [f32|bf16|int8]
-//! [f32|bf16|int8] [PROMPT] [PRESET]` (the weights' precision, the KV cache's, the prompt's
-//! length, 16 by default, and the model preset, bench-s by default; for perf). Allocates through mimalloc, as the `difftx` binary does (under glibc's
+//! [f32|bf16|int8] [PROMPT] [PRESET] [ROUNDS]` (the weights' precision, the KV cache's, the
+//! prompt's length, 16 by default, the model preset, bench-s by default, and how many times the
+//! sequences are prefilled and decoded to the model's context, 4 by default: more for perf). Allocates through mimalloc, as the `difftx` binary does (under glibc's
 //! malloc, allocation was ~8% of the caller's perf samples at batch 1); run it with
 //! `MIMALLOC_PURGE_DELAY=-1` to match the CLI's setting (docs/design.md §7.2).
 use candle_core::{DType, Device, Tensor};
@@ -20,6 +21,8 @@ fn main() -> anyhow::Result<()> {
         std::env::args().nth(4).map_or(Ok(KvPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
     let prompt: usize = std::env::args().nth(5).map_or(Ok(16), |s| s.parse())?;
     let preset = std::env::args().nth(6).unwrap_or("bench-s".into());
+    let rounds: usize = std::env::args().nth(7).map_or(Ok(4), |s| s.parse())?;
+    anyhow::ensure!(rounds > 0, "ROUNDS must be at least 1");
     let cfg = ModelConfig::preset(&preset, family)?;
     anyhow::ensure!((1..cfg.max_seq_len).contains(&prompt), "the prompt must leave room for a step");
     let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
@@ -27,7 +30,7 @@ fn main() -> anyhow::Result<()> {
     let mut dec = Decoder::with_precision(&m, precision)?;
     dec.set_kv_precision(kv);
     let mut seqs: Vec<_> = (0..batch).map(|_| dec.new_sequence()).collect();
-    let (rounds, steps) = (4, cfg.max_seq_len - prompt);
+    let steps = cfg.max_seq_len - prompt;
     let mut secs = 0.0;
     for _ in 0..rounds {
         for s in seqs.iter_mut() {

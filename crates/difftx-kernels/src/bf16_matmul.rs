@@ -775,6 +775,7 @@ pub fn matmul_reference(a: MatRef, b: MatRef) -> Vec<f32> {
 #[cfg(target_arch = "x86_64")]
 mod convert {
     use super::{bf16_bits, bf16_pair};
+    use crate::tile::avx512::transpose16;
     use std::arch::x86_64::*;
 
     #[inline]
@@ -819,39 +820,6 @@ mod convert {
                 let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
                 _mm512_storeu_si512(out.add((16 * half + r) * B) as *mut __m512i, v);
             }
-        }
-    }
-
-    /// In-register transpose of a 16×16 f32 matrix (one row per vector).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn transpose16(r: &mut [__m512; 16]) {
-        let mut t = [_mm512_setzero_ps(); 16];
-        for i in 0..8 {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        let (lo, hi) = (
-            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
-            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
-        );
-        for g in 0..4 {
-            let b = 4 * g;
-            r[b] = lo(t[b], t[b + 2]);
-            r[b + 1] = hi(t[b], t[b + 2]);
-            r[b + 2] = lo(t[b + 1], t[b + 3]);
-            r[b + 3] = hi(t[b + 1], t[b + 3]);
-        }
-        for g in 0..2 {
-            let b = 8 * g;
-            for i in 0..4 {
-                t[b + i] = _mm512_shuffle_f32x4::<0x88>(r[b + i], r[b + 4 + i]);
-                t[b + 4 + i] = _mm512_shuffle_f32x4::<0xdd>(r[b + i], r[b + 4 + i]);
-            }
-        }
-        for i in 0..8 {
-            r[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
-            r[8 + i] = _mm512_shuffle_f32x4::<0xdd>(t[i], t[8 + i]);
         }
     }
 

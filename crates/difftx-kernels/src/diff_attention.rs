@@ -45,7 +45,7 @@
 use crate::cpu::{storage_slice, with_slice, zeroed, zeros};
 use crate::diff_combine::DiffCombinePairs;
 use crate::flash::{flash_bwd, flash_fwd_new, key_block_rects, keys_seen, Dims, BC, BR, ONE_PASS_TASKS_PER_THREAD};
-use crate::float::{exp_shifted, Float};
+use crate::float::{exp_shifted_prefix, Float};
 use crate::pair_values::PairValues;
 use crate::tile::{mm_tile, transpose_into, TileProducts};
 use crate::PairLayout;
@@ -395,8 +395,7 @@ fn pair_task<T: Float>(x: &BwdIn<T>, kv: (usize, usize), g: &mut TaskOut<T>, tl:
                     let row = r * BC..r * BC + nb;
                     let (pa, pb) = (&mut tl.pa[row.clone()], &mut tl.pb[row.clone()]);
                     for (e, l) in [(&mut *pa, x.lse[ra]), (&mut *pb, x.lse[rb])] {
-                        exp_shifted(&mut e[..n], l);
-                        e[n..].fill(T::ZERO);
+                        exp_shifted_prefix(e, n, l);
                     }
                     let minus_lambda = T::ZERO - x.lambda_at(bj, t0 + r);
                     let (da, db) = (x.delta[ra], x.delta[rb]);

@@ -41,7 +41,7 @@
 #![allow(clippy::too_many_arguments)]
 
 use crate::cpu::{storage_slice, zeroed, zeros, BEST_ISA};
-use crate::float::{exp_shifted, exp_shifted_sum, max_slice, Float};
+use crate::float::{exp_down_columns, exp_shifted_prefix, exp_shifted_sum, max_down_columns, max_slice, Float};
 use crate::tile::{mm_tile, transpose_into, TileProducts};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -389,19 +389,8 @@ fn online_tiles<T: Float>(
             }
             // The new running max, then P = exp(S − max) with each row's sum (masked keys give 0).
             m_new.copy_from_slice(m);
-            for sj in st.chunks_exact(gc) {
-                for (x, &s) in m_new.iter_mut().zip(sj) {
-                    *x = x.maxf(s);
-                }
-            }
-            p_sum.fill(T::ZERO);
-            for sj in st.chunks_exact_mut(gc) {
-                for ((s, &x), p) in sj.iter_mut().zip(m_new.iter()).zip(p_sum.iter_mut()) {
-                    let e = (*s - x).exp_fused();
-                    *s = e;
-                    *p += e;
-                }
-            }
+            max_down_columns(st, m_new);
+            exp_down_columns(st, m_new, p_sum);
             // alpha is 0 on the first block (m = -inf) and 1 where the max is unchanged
             for g in 0..gc {
                 alpha[g] = (m[g] - m_new[g]).exp();
@@ -684,8 +673,7 @@ fn bwd_tile<T: Float>(
         let n = keys_seen(t0 + i, x.q_offset, s0, nb);
         let (lse, delta) = (x.lse[r0 + i], x.delta[r0 + i]);
         let p = &mut st[i * BC..i * BC + nb];
-        exp_shifted(&mut p[..n], lse);
-        p[n..].fill(T::ZERO);
+        exp_shifted_prefix(p, n, lse);
         let ds = &mut dpt[i * BC..i * BC + nb];
         for (g, &pj) in ds.iter_mut().zip(p.iter()) {
             *g = pj * (*g - delta) * x.scale;

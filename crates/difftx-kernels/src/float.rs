@@ -170,6 +170,87 @@ pub(crate) fn max_slice<T: Float>(x: &[T], init: T) -> T {
     m
 }
 
+/// `m[g] = max(m[g], max_j rows[j·n + g])` for the rows of `rows` (`[rows.len() / n, n]`, `n` =
+/// `m.len()`), by `maxf` in row order. The running maxima of a block of columns stay in registers
+/// down all the rows and are stored once: written row by row (`m[g] = m[g].maxf(x)`), LLVM stored
+/// a vector of `m` only where a lane changed, a masked store, and the next row's load of it cannot
+/// be forwarded from a masked store; that wait was ~40% of the flash forward's own time on the
+/// Zen 4 (docs/design.md §7.36).
+#[inline(always)]
+pub(crate) fn max_down_columns<T: Float>(rows: &[T], m: &mut [T]) {
+    let n = m.len();
+    if n == 0 {
+        return;
+    }
+    let mut g0 = 0;
+    while g0 + 4 * LANES <= n {
+        max_down_block::<T, { 4 * LANES }>(rows, n, g0, m);
+        g0 += 4 * LANES;
+    }
+    while g0 + LANES <= n {
+        max_down_block::<T, LANES>(rows, n, g0, m);
+        g0 += LANES;
+    }
+    for g in g0..n {
+        let mut acc = m[g];
+        for row in rows.chunks_exact(n) {
+            acc = acc.maxf(row[g]);
+        }
+        m[g] = acc;
+    }
+}
+
+/// [`max_down_columns`] over the `W` columns from `g0`.
+#[inline(always)]
+fn max_down_block<T: Float, const W: usize>(rows: &[T], n: usize, g0: usize, m: &mut [T]) {
+    let mut acc: [T; W] = std::array::from_fn(|l| m[g0 + l]);
+    for row in rows.chunks_exact(n) {
+        let r: &[T; W] = row[g0..g0 + W].try_into().unwrap();
+        for l in 0..W {
+            acc[l] = acc[l].maxf(r[l]);
+        }
+    }
+    m[g0..g0 + W].copy_from_slice(&acc);
+}
+
+/// `rows[j·n + g] = exp_fused(rows[j·n + g] − m[g])` for every row `j`, and `sum[g]` the sum of
+/// column `g`'s new values in row order (`n` = `m.len()` = `sum.len()`): the flash forward's
+/// probabilities and their row sums from transposed scores. As in [`max_down_columns`], a block
+/// of columns keeps its sums and maxima in registers down all the rows: row by row, every row
+/// loaded and stored each column's sum again, a chain through memory from row to row.
+#[inline(always)]
+pub(crate) fn exp_down_columns<T: Float>(rows: &mut [T], m: &[T], sum: &mut [T]) {
+    let n = m.len();
+    assert_eq!(sum.len(), n, "exp_down_columns: one sum per column");
+    if n == 0 {
+        return;
+    }
+    let mut g0 = 0;
+    while g0 + LANES <= n {
+        let shift: [T; LANES] = std::array::from_fn(|l| m[g0 + l]);
+        let mut acc = [T::ZERO; LANES];
+        for row in rows.chunks_exact_mut(n) {
+            let r: &mut [T; LANES] = (&mut row[g0..g0 + LANES]).try_into().unwrap();
+            for l in 0..LANES {
+                let e = (r[l] - shift[l]).exp_fused();
+                r[l] = e;
+                acc[l] += e;
+            }
+        }
+        sum[g0..g0 + LANES].copy_from_slice(&acc);
+        g0 += LANES;
+    }
+    for g in g0..n {
+        let mut acc = T::ZERO;
+        for row in rows.chunks_exact_mut(n) {
+            let e = (row[g] - m[g]).exp_fused();
+            row[g] = e;
+            acc += e;
+        }
+        sum[g] = acc;
+    }
+}
+
 /// Sum of a slice over `LANES` lanes.
 #[inline(always)]
 pub(crate) fn sum_slice<T: Float>(x: &[T]) -> T {
@@ -211,17 +292,34 @@ fn exp_shifted_tail<T: Float>(x: &mut [T], shift: T) -> T {
     s
 }
 
-/// `x ← exp(x − shift)` in place (`exp_fused`: for code compiled with FMA): one pass for the
-/// subtraction and the exponentiation.
+/// `x[..n] ← exp_fused(x[..n] − shift)` and `x[n..] ← 0`: a row of recomputed probabilities whose
+/// first `n` keys are visible. Whole `LANES`-lane chunks throughout, the one holding position `n`
+/// exponentiated whole and its lanes from `n` on set to zero: the short prefix through
+/// [`exp_shifted`]'s tail copied it into a vector through `memcpy`, and the vector's load could
+/// not be forwarded from the copy's stores, a wait in every row of a diagonal tile (~11% of the
+/// flash backward's own time on the Zen 4, docs/design.md §7.36).
 #[inline(always)]
-pub(crate) fn exp_shifted<T: Float>(x: &mut [T], shift: T) {
-    let mut it = x.chunks_exact_mut(LANES);
-    for c in &mut it {
-        for v in c.iter_mut() {
-            *v = (*v - shift).exp_fused();
+pub(crate) fn exp_shifted_prefix<T: Float>(x: &mut [T], n: usize, shift: T) {
+    let mut chunks = x.chunks_exact_mut(LANES);
+    let mut at = 0;
+    for c in &mut chunks {
+        if at >= n {
+            c.fill(T::ZERO);
+        } else if at + LANES <= n {
+            for v in c.iter_mut() {
+                *v = (*v - shift).exp_fused();
+            }
+        } else {
+            for (l, v) in c.iter_mut().enumerate() {
+                let e = (*v - shift).exp_fused();
+                *v = if at + l < n { e } else { T::ZERO };
+            }
         }
+        at += LANES;
     }
-    exp_shifted_tail(it.into_remainder(), shift);
+    for (l, v) in chunks.into_remainder().iter_mut().enumerate() {
+        *v = if at + l < n { (*v - shift).exp_fused() } else { T::ZERO };
+    }
 }
 
 /// `x ← exp(x − shift)` in place (`exp_fused`), returning the sum of the results: one pass for
@@ -270,22 +368,77 @@ mod tests {
     }
 
     /// The one-pass helpers (`LANES`-lane body, vector tail) give the bits of the element-by-element
-    /// passes they replace (subtract, `exp_fused`, `sum_slice`), at lengths around the lanes.
+    /// passes they replace (subtract, `exp_fused`, `sum_slice`, zeros past a visible prefix), at
+    /// lengths and prefixes around the lanes.
     #[test]
     fn one_pass_exp_helpers_equal_the_separate_passes() {
         fn check<T: Float + std::fmt::Debug>(gen: impl Fn(usize) -> T, shift: T) {
             for n in [0, 1, 7, 8, 9, 15, 16, 17, 33, 130] {
                 let x: Vec<T> = (0..n).map(&gen).collect();
                 let passes: Vec<T> = x.iter().map(|&v| (v - shift).exp_fused()).collect();
-                let (mut one, mut summed) = (x.clone(), x.clone());
-                exp_shifted(&mut one, shift);
+                let mut summed = x.clone();
                 let sum = exp_shifted_sum(&mut summed, shift);
-                assert_eq!(one, passes, "exp_shifted, n = {n}");
                 assert_eq!(summed, passes, "exp_shifted_sum values, n = {n}");
                 assert_eq!(sum, sum_slice(&passes), "exp_shifted_sum, n = {n}");
+                for visible in [0, 1, n / 2, n.saturating_sub(1), n] {
+                    let mut prefix = x.clone();
+                    exp_shifted_prefix(&mut prefix, visible, shift);
+                    let want: Vec<T> =
+                        passes.iter().enumerate().map(|(i, &e)| if i < visible { e } else { T::ZERO }).collect();
+                    assert_eq!(prefix, want, "exp_shifted_prefix, n = {n}, visible = {visible}");
+                }
             }
         }
         check(|i| (i as f32 * 0.37).sin() * 5.0, 1.25f32);
         check(|i| (i as f64 * 0.37).sin() * 5.0, 1.25f64);
+    }
+
+    /// `max_down_columns` gives the bits of `maxf` applied row by row, column by column, and
+    /// `exp_down_columns` those of `exp_fused` and a sum per column added row by row, at widths
+    /// around their 64- and 16-column blocks, with no rows, one row, and rows holding −∞ and NaN
+    /// (a NaN never replaces a running maximum under `maxf`; a NaN running maximum stays).
+    #[test]
+    fn column_helpers_equal_the_row_by_row_passes() {
+        fn check<T: Float + std::fmt::Debug>(gen: impl Fn(usize) -> T, bits: impl Fn(T) -> u64) {
+            for n in [1, 5, 15, 16, 17, 63, 64, 65, 80, 130] {
+                for rows in [0, 1, 3, 128] {
+                    let s: Vec<T> = (0..rows * n).map(&gen).collect();
+                    let init: Vec<T> = (0..n).map(|g| if g % 7 == 3 { T::NEG_INF } else { gen(g + 11) }).collect();
+                    let mut want = init.clone();
+                    for row in s.chunks_exact(n) {
+                        for (x, &v) in want.iter_mut().zip(row) {
+                            *x = x.maxf(v);
+                        }
+                    }
+                    let mut got = init;
+                    max_down_columns(&s, &mut got);
+                    let all_bits = |v: &[T]| v.iter().map(|&x| bits(x)).collect::<Vec<u64>>();
+                    assert_eq!(all_bits(&got), all_bits(&want), "max_down_columns, n = {n}, rows = {rows}");
+
+                    let (mut want_p, mut want_sum) = (s.clone(), vec![T::ZERO; n]);
+                    for row in want_p.chunks_exact_mut(n) {
+                        for ((x, &m), p) in row.iter_mut().zip(&want).zip(want_sum.iter_mut()) {
+                            *x = (*x - m).exp_fused();
+                            *p += *x;
+                        }
+                    }
+                    let (mut got_p, mut got_sum) = (s.clone(), vec![T::ONE; n]);
+                    exp_down_columns(&mut got_p, &want, &mut got_sum);
+                    assert_eq!(all_bits(&got_p), all_bits(&want_p), "exp_down_columns values, n = {n}, rows = {rows}");
+                    assert_eq!(
+                        all_bits(&got_sum),
+                        all_bits(&want_sum),
+                        "exp_down_columns sums, n = {n}, rows = {rows}"
+                    );
+                }
+            }
+        }
+        let f32_at = |i: usize| match i % 23 {
+            5 => f32::NAN,
+            9 => f32::NEG_INFINITY,
+            _ => (i as f32 * 0.37).sin() * 5.0,
+        };
+        check(f32_at, |x: f32| x.to_bits() as u64);
+        check(|i| f32_at(i) as f64, |x: f64| x.to_bits());
     }
 }

@@ -285,10 +285,21 @@ fn mm_rows_bf16_rounded(
 }
 
 /// `dst[c * ld + r] = src[r * cols + c]`: `src` `[rows, cols]` row-major into `dst` `[cols, ld]`
-/// (`rows <= ld`), the other columns of `dst` left as they are.
+/// (`rows <= ld`), the other columns of `dst` left as they are. f32 with AVX-512F goes 16 × 16
+/// values at a time through registers: element by element, each value was a scalar store `ld`
+/// apart, a third of the flash forward's own time and of diff-v1's backward task's on the Zen 4
+/// once the column maxima were in registers (docs/design.md §7.36).
 #[inline(always)]
-pub(crate) fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: &mut [T], ld: usize) {
+pub(crate) fn transpose_into<T: Copy + 'static>(src: &[T], rows: usize, cols: usize, dst: &mut [T], ld: usize) {
     assert!(rows <= ld && src.len() >= rows * cols && dst.len() >= cols * ld, "transpose_into: out of bounds");
+    #[cfg(target_arch = "x86_64")]
+    if TypeId::of::<T>() == TypeId::of::<f32>() && avx512::available() {
+        // SAFETY: T is f32 (checked above); the kernel reads rows × cols values of src and writes
+        // rows values of each of dst's first cols rows, inside both slices (asserted above); the
+        // CPU has AVX-512F.
+        unsafe { avx512::transpose(src.as_ptr() as *const f32, rows, cols, dst.as_mut_ptr() as *mut f32, ld) };
+        return;
+    }
     for (r, row) in src.chunks_exact(cols.max(1)).take(rows).enumerate() {
         for (c, &x) in row.iter().enumerate() {
             dst[c * ld + r] = x;
@@ -297,9 +308,71 @@ pub(crate) fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
+
+    /// [`super::transpose_into`] for f32: blocks of 16 × 16 loaded row by row (masked at the
+    /// edges), transposed in registers, stored column by column.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose(src: *const f32, rows: usize, cols: usize, dst: *mut f32, ld: usize) {
+        let mask = |n: usize| if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
+        for r0 in (0..rows).step_by(16) {
+            let rn = (rows - r0).min(16);
+            for c0 in (0..cols).step_by(16) {
+                let cn = (cols - c0).min(16);
+                let at = |i: usize| src.add((r0 + i) * cols + c0);
+                let mut v: [__m512; 16] = if rn == 16 && cn == 16 {
+                    std::array::from_fn(|i| _mm512_loadu_ps(at(i)))
+                } else {
+                    std::array::from_fn(|i| {
+                        if i < rn {
+                            _mm512_maskz_loadu_ps(mask(cn), at(i))
+                        } else {
+                            _mm512_setzero_ps()
+                        }
+                    })
+                };
+                transpose16(&mut v);
+                for (j, &vj) in v.iter().enumerate().take(cn) {
+                    _mm512_mask_storeu_ps(dst.add((c0 + j) * ld + r0), mask(rn), vj);
+                }
+            }
+        }
+    }
+
+    /// In-register transpose of a 16×16 f32 matrix (one row per vector).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn transpose16(r: &mut [__m512; 16]) {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let (lo, hi) = (
+            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+            |x: __m512, y: __m512| _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+        );
+        for g in 0..4 {
+            let b = 4 * g;
+            r[b] = lo(t[b], t[b + 2]);
+            r[b + 1] = hi(t[b], t[b + 2]);
+            r[b + 2] = lo(t[b + 1], t[b + 3]);
+            r[b + 3] = hi(t[b + 1], t[b + 3]);
+        }
+        for g in 0..2 {
+            let b = 8 * g;
+            for i in 0..4 {
+                t[b + i] = _mm512_shuffle_f32x4::<0x88>(r[b + i], r[b + 4 + i]);
+                t[b + 4 + i] = _mm512_shuffle_f32x4::<0xdd>(r[b + i], r[b + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            r[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+            r[8 + i] = _mm512_shuffle_f32x4::<0xdd>(t[i], t[8 + i]);
+        }
+    }
 
     /// Output rows per micro-tile: 12 rows of two vectors are 24 accumulators, with the two
     /// vectors of B's row and a broadcast in 3 of the other 8 of the 32 registers.
@@ -616,5 +689,38 @@ mod tests {
         check_awkward_shapes(mm_rows_bf16, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
         // The path of CPUs without AVX512_BF16, whatever this one has.
         check_awkward_shapes(mm_rows_bf16_rounded, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
+    }
+
+    /// `transpose_into` (16 × 16 blocks in registers for f32 where the CPU has AVX-512F, element
+    /// by element otherwise) writes every value where it belongs and nothing past `rows` in each
+    /// row of `dst`: shapes with partial blocks in either direction, one row or column, none, and
+    /// `ld` wider than `rows`.
+    #[test]
+    fn transpose_into_puts_every_value_in_place() {
+        fn check<T: Copy + PartialEq + std::fmt::Debug + 'static>(of: impl Fn(f32) -> T, pad: T) {
+            for (rows, cols, ld) in [
+                (1, 1, 1),
+                (3, 5, 7),
+                (16, 16, 16),
+                (17, 33, 40),
+                (128, 32, 128),
+                (5, 40, 5),
+                (0, 3, 4),
+                (31, 16, 33),
+                (16, 1, 20),
+            ] {
+                let src: Vec<T> = values(rows * cols, (rows * 100 + cols) as u64).into_iter().map(&of).collect();
+                let mut dst = vec![pad; cols * ld];
+                transpose_into(&src, rows, cols, &mut dst, ld);
+                for c in 0..cols {
+                    for r in 0..ld {
+                        let want = if r < rows { src[r * cols + c] } else { pad };
+                        assert_eq!(dst[c * ld + r], want, "({rows}, {cols}, ld {ld}): dst[{c}][{r}]");
+                    }
+                }
+            }
+        }
+        check(|x| x, f32::MAX);
+        check(|x| x as f64, f64::MAX);
     }
 }
