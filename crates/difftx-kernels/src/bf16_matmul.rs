@@ -439,6 +439,27 @@ pub(crate) unsafe fn to_bf16_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u3
     }
 }
 
+/// Pair row `p` of a row-contiguous B, rows `lo` (2p) and `hi` (2p + 1; `None` past k), into every
+/// one of `panels` panels: panel `pi`'s 16 values (columns 16·pi ..) at `out + pi·panel_stride`,
+/// columns past the row's end zero (an empty `lo`: all zero).
+///
+/// # Safety
+/// As [`to_bf16`]; `out + pi·panel_stride .. + 16` writable for every `pi < panels`.
+#[inline]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
+unsafe fn pair_row_into_panels(lo: &[f32], hi: Option<&[f32]>, panels: usize, out: *mut u32, panel_stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    convert::pair_row_into_panels(lo, hi, panels, out, panel_stride);
+    #[cfg(not(target_arch = "x86_64"))]
+    for pi in 0..panels {
+        for c in 0..16 {
+            let j = 16 * pi + c;
+            let v = if j < lo.len() { bf16_pair(lo[j], hi.map_or(0.0, |h| h[j])) } else { 0 };
+            *out.add(pi * panel_stride + c) = v;
+        }
+    }
+}
+
 /// bf16 bits -> f32 (exact).
 #[inline]
 pub fn bf16_to_f32(h: u16) -> f32 {
@@ -528,19 +549,26 @@ fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
     let len = np * pairs_p;
     let mut out: Vec<u32> = Vec::with_capacity(len);
     if b.cs == 1 {
-        // Rows contiguous (x and dy as the B of dw = xᵀ·dy): each task reads its rows once,
-        // start to end, and writes its pairs of every panel (a run of 16 · PAIR_BLOCK values in
-        // each). A task per panel read one cache line of every row instead, a stride the
-        // hardware prefetcher does not follow.
+        // Rows contiguous (x and dy as the B of dw = xᵀ·dy): each task reads its pairs of rows
+        // once, start to end, and writes each pair's 16 values into every panel. Panel by panel
+        // over the task's rows instead (one cache line of every row, then the next), the loads
+        // waited on memory for ~60% of the packing's samples on the Zen 4 (docs/design.md §7.36);
+        // a task per panel read one cache line of every row of the whole B, a stride the hardware
+        // prefetcher does not follow.
         let dst = Spare(out.spare_capacity_mut().as_mut_ptr());
+        let (k, n, panels) = (b.rows, b.cols, np / PANEL);
         (0..pairs_p.div_ceil(PAIR_BLOCK)).into_par_iter().for_each(|t| {
             let (p0, p1) = (t * PAIR_BLOCK, ((t + 1) * PAIR_BLOCK).min(pairs_p));
-            for pi in 0..np / PANEL {
-                // SAFETY: pairs p0..p1 of panel pi lie inside the buffer's `len` values, and
-                // tasks cover disjoint pairs, so no other task touches this run.
-                let run = unsafe { dst.run(pi * pairs_p * PANEL + p0 * PANEL, (p1 - p0) * PANEL) };
-                // SAFETY: matmul_into runs only with a backend, and every backend implies the features.
-                unsafe { pack_b_pairs(b, pi, p0, filled(run, 0)) }
+            for p in p0..p1 {
+                let row = |r: usize| &b.data[r * b.rs..r * b.rs + n];
+                // Pairs past k (padding) are zeros: an empty row.
+                let lo = if 2 * p < k { row(2 * p) } else { &[] };
+                let hi = (2 * p + 1 < k).then(|| row(2 * p + 1));
+                // SAFETY: pair p of panel pi is at pi·pairs_p·16 + p·16, 16 values inside the
+                // buffer's `len` (pi < np/16, p < pairs_p), written by this task only (tasks
+                // cover disjoint pairs); matmul_into runs only with a backend, and every backend
+                // implies the features.
+                unsafe { pair_row_into_panels(lo, hi, panels, dst.at(p * PANEL), pairs_p * PANEL) };
             }
         });
     } else {
@@ -552,8 +580,8 @@ fn pack_b(b: &MatRef, kp: usize, np: usize) -> Vec<u32> {
             }
         });
     }
-    // SAFETY: every value went through `filled` (the row-contiguous tasks cover every pair
-    // of every panel; the panel tasks every panel).
+    // SAFETY: every value was written (the row-contiguous tasks write all 16 values of every pair
+    // of every panel; the panel tasks fill every panel through `filled`).
     unsafe { out.set_len(len) };
     out
 }
@@ -567,35 +595,9 @@ unsafe impl Send for Spare {}
 unsafe impl Sync for Spare {}
 
 impl Spare {
-    /// # Safety
-    /// `at + len` within the buffer, and no other live reference to these values.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn run(&self, at: usize, len: usize) -> &mut [MaybeUninit<u32>] {
-        std::slice::from_raw_parts_mut(self.0.add(at), len)
-    }
-}
-
-/// Pairs p0 .. p0 + run.len()/16 of panel `pi` of [`pack_b`] for a row-contiguous B into `run`
-/// (zero-filled: padding pairs and columns stay zero).
-///
-/// # Safety
-/// As [`to_bf16`].
-#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bf16"))]
-unsafe fn pack_b_pairs(b: &MatRef, pi: usize, p0: usize, run: &mut [u32]) {
-    let (k, n) = (b.rows, b.cols);
-    let j0 = pi * PANEL;
-    if j0 >= n {
-        return;
-    }
-    let w = PANEL.min(n - j0);
-    for (q, slot) in run.chunks_exact_mut(PANEL).enumerate() {
-        let p = p0 + q;
-        if 2 * p >= k {
-            break;
-        }
-        let r0 = &b.data[2 * p * b.rs + j0..2 * p * b.rs + j0 + w];
-        let r1 = (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rs + j0..(2 * p + 1) * b.rs + j0 + w]);
-        to_bf16_pairs(r0, r1, &mut slot[..w]);
+    /// Where value `at` of the buffer is (writing there is the caller's to make safe).
+    fn at(&self, at: usize) -> *mut u32 {
+        self.0.wrapping_add(at) as *mut u32
     }
 }
 
@@ -821,6 +823,42 @@ mod convert {
                 _mm512_storeu_si512(out.add((16 * half + r) * B) as *mut __m512i, v);
             }
         }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pair_row_into_panels(
+        lo: &[f32],
+        hi: Option<&[f32]>,
+        panels: usize,
+        out: *mut u32,
+        panel_stride: usize,
+    ) {
+        let n = lo.len();
+        for pi in 0..panels {
+            let j = 16 * pi;
+            let v = if j >= n {
+                _mm512_setzero_si512()
+            } else {
+                match hi {
+                    Some(hi) => _mm512_or_si512(halves(lo, j), _mm512_slli_epi32(halves(hi, j), 16)),
+                    None => halves(lo, j),
+                }
+            };
+            _mm512_storeu_si512(out.add(pi * panel_stride) as *mut __m512i, v);
+        }
+    }
+
+    /// `row[j..j + 16]` (fewer past the row's end, as zeros) rounded to bf16, one per 32-bit lane
+    /// (the low half).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn halves(row: &[f32], j: usize) -> __m512i {
+        let lanes = (row.len() - j).min(16);
+        let mask = if lanes == 16 { 0xffff } else { ((1u32 << lanes) - 1) as __mmask16 };
+        // Lanes past the row load as 0.0, whose bf16 is 0: the panels' zero padding.
+        let v: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row.as_ptr().add(j))));
+        _mm512_cvtepu16_epi32(v)
     }
 
     #[inline]
