@@ -777,7 +777,7 @@ pub fn matmul_reference(a: MatRef, b: MatRef) -> Vec<f32> {
 #[cfg(target_arch = "x86_64")]
 mod convert {
     use super::{bf16_bits, bf16_pair};
-    use crate::tile::avx512::transpose16;
+    use crate::tile::avx512::{lane_mask, transpose16};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -854,9 +854,8 @@ mod convert {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn halves(row: &[f32], j: usize) -> __m512i {
-        let lanes = (row.len() - j).min(16);
-        let mask = if lanes == 16 { 0xffff } else { ((1u32 << lanes) - 1) as __mmask16 };
         // Lanes past the row load as 0.0, whose bf16 is 0: the panels' zero padding.
+        let mask = lane_mask(row.len() - j);
         let v: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row.as_ptr().add(j))));
         _mm512_cvtepu16_epi32(v)
     }

@@ -295,7 +295,7 @@ fn exp_shifted_tail<T: Float>(x: &mut [T], shift: T) -> T {
 /// `x[..n] ← exp_fused(x[..n] − shift)` and `x[n..] ← 0`: a row of recomputed probabilities whose
 /// first `n` keys are visible. Whole `LANES`-lane chunks throughout, the one holding position `n`
 /// exponentiated whole and its lanes from `n` on set to zero: the short prefix through
-/// [`exp_shifted`]'s tail copied it into a vector through `memcpy`, and the vector's load could
+/// [`exp_shifted_tail`] copied it into a vector through `memcpy`, and the vector's load could
 /// not be forwarded from the copy's stores, a wait in every row of a diagonal tile (~11% of the
 /// flash backward's own time on the Zen 4, docs/design.md §7.36).
 #[inline(always)]

@@ -312,11 +312,20 @@ pub(crate) mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
+    /// The mask of a vector's first `n` lanes (all 16 for `n` ≥ 16).
+    #[inline(always)]
+    pub(crate) fn lane_mask(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
     /// [`super::transpose_into`] for f32: blocks of 16 × 16 loaded row by row (masked at the
     /// edges), transposed in registers, stored column by column.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn transpose(src: *const f32, rows: usize, cols: usize, dst: *mut f32, ld: usize) {
-        let mask = |n: usize| if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
         for r0 in (0..rows).step_by(16) {
             let rn = (rows - r0).min(16);
             for c0 in (0..cols).step_by(16) {
@@ -327,7 +336,7 @@ pub(crate) mod avx512 {
                 } else {
                     std::array::from_fn(|i| {
                         if i < rn {
-                            _mm512_maskz_loadu_ps(mask(cn), at(i))
+                            _mm512_maskz_loadu_ps(lane_mask(cn), at(i))
                         } else {
                             _mm512_setzero_ps()
                         }
@@ -335,7 +344,7 @@ pub(crate) mod avx512 {
                 };
                 transpose16(&mut v);
                 for (j, &vj) in v.iter().enumerate().take(cn) {
-                    _mm512_mask_storeu_ps(dst.add((c0 + j) * ld + r0), mask(rn), vj);
+                    _mm512_mask_storeu_ps(dst.add((c0 + j) * ld + r0), lane_mask(rn), vj);
                 }
             }
         }
@@ -485,7 +494,7 @@ pub(crate) mod avx512 {
         // lanes of vector v of a panel w columns wide
         let masks = |w: usize| {
             let lanes = |v: usize| w.saturating_sub(16 * v).min(16);
-            [0, 1, 2, 3].map(|v| if lanes(v) >= 16 { 0xffff } else { ((1u32 << lanes(v)) - 1) as __mmask16 })
+            [0, 1, 2, 3].map(|v| lane_mask(lanes(v)))
         };
         let mut j0 = 0;
         while j0 < n {
