@@ -15,7 +15,7 @@
 //!   decoder stepping `decode_batches` sequences at once, with f32, with bf16 weights and KV
 //!   cache, and with bf16 weights and an int8 KV cache. The families' fused decoders are timed
 //!   side by side too, a block of steps of each in turn, and each of their figures is the median
-//!   of [`DECODE_RUNS`] runs.
+//!   of `DECODE_RUNS` runs.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `host_matmul`: the GFLOP/s of one f32 product of the training step's shape (a SwiGLU input
 //!   projection, `[batch·seq, d_model] · [d_ff, d_model]ᵀ`) before the training runs and after
@@ -29,7 +29,12 @@
 //!   one-layer model and the input), which is reported separately as `rss_before_forward_mib`.
 //! * `ratios`: DIFF (diff-v1, diff-v2) over baseline step times / decode times, and over the
 //!   baseline's model FLOPs per training step (`ModelConfig::training_flops_per_token`): the step
-//!   time ratio that kernels running every product at one speed would give. Each training report
+//!   time ratio that kernels running every product at one speed would give. The step-time ratios
+//!   (means over the steps, as `bench/pytorch_ref.py` computes PyTorch's) come again as
+//!   `..._paired`: the median of the rounds' own ratios (each DIFF step over the baseline step
+//!   of its round, seconds apart) with a distribution-free 95% confidence interval
+//!   (`median_with_ci95`), so that one run says whether a ratio is below a target or only
+//!   near it. Each training report
 //!   has its step's model GFLOP (linear layers, attention), the time its steps spent in the
 //!   attention kernels (`difftx_core::profile`) and the model GFLOP/s achieved by the whole
 //!   step, inside the attention kernels and outside them (attention's FLOPs over its time, the
@@ -402,6 +407,47 @@ fn median(values: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
 }
 
+/// [`median`] of `values` with a 95% confidence interval that assumes nothing of their
+/// distribution (only independent draws): the order statistics `k + 1` and `n − k` of the `n`
+/// values, `k` the largest count for which a Binomial(n, ½) falls at or below `k` with
+/// probability ≤ 2.5%, so the interval misses the true median with probability
+/// `2·P(Bin ≤ k)` ≤ 5% (10 values: the 2nd and 9th, 97.9%). `None` for the interval under 6
+/// values, where even the extremes cover less than 95%; `values` must not be empty.
+fn median_with_ci95(values: &[f64]) -> (f64, Option<(f64, f64)>) {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let (mut k, mut ln_choose, mut below) = (None, 0.0f64, 0.0f64);
+    for i in 0..n / 2 {
+        // ln C(n, i), built up term by term: the binomial probabilities stay finite at any n.
+        if i > 0 {
+            ln_choose += ((n - i + 1) as f64 / i as f64).ln();
+        }
+        below += (ln_choose - n as f64 * std::f64::consts::LN_2).exp();
+        if below > 0.025 {
+            break;
+        }
+        k = Some(i);
+    }
+    (median(values), k.map(|k| (sorted[k], sorted[n - 1 - k])))
+}
+
+/// The median of the rounds' own step-time ratios of `run` over `base` (timed in the same
+/// rounds by [`bench_train_interleaved`]) with its 95% interval ([`median_with_ci95`]).
+fn paired_step_ratio(run: &TrainBench, base: &TrainBench) -> Value {
+    let per_round: Vec<f64> = run.step_secs.iter().zip(&base.step_secs).map(|(r, b)| r / b).collect();
+    if per_round.is_empty() {
+        return Value::Null;
+    }
+    let round3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    let (mid, ci) = median_with_ci95(&per_round);
+    json!({
+        "median": round3(mid),
+        "ci95": ci.map(|(lo, hi)| [round3(lo), round3(hi)]),
+        "rounds": per_round.len(),
+    })
+}
+
 /// `n` tokens in `secs` seconds, as tokens/s to one decimal.
 fn per_sec(n: usize, secs: f64) -> f64 {
     (n as f64 / secs * 10.0).round() / 10.0
@@ -706,6 +752,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     }
     let mut train = Map::new();
     let mut train_bf16 = Map::new();
+    let mut paired_ratios = Map::new();
     let mut decode = Map::new();
     let bf16 = opts.bf16 && Precision::bf16_faster_than_f32();
     let (matmul_before, matmul_shape) = host_matmul_gflops(opts)?;
@@ -726,6 +773,17 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
             let into = if run.precision == Precision::F32 { &mut train } else { &mut train_bf16 };
             into.insert(run.cfg.family.as_str().into(), r);
         }
+        for run in &runs {
+            let base = runs.iter().find(|b| b.cfg.family == Family::Baseline && b.precision == run.precision);
+            let Some(base) = base.filter(|_| run.cfg.family != Family::Baseline) else { continue };
+            let key = match run.precision {
+                Precision::F32 => format!("train_step_time_{}_over_baseline_paired", run.cfg.family),
+                _ => format!("train_bf16_step_time_{}_over_baseline_paired", run.cfg.family),
+            };
+            let paired = paired_step_ratio(run, base);
+            eprintln!("bench: {key}: {paired}");
+            paired_ratios.insert(key, paired);
+        }
     }
     let mut reference = Map::new();
     if let Some(f) = opts.reference_family.filter(|_| opts.train) {
@@ -740,7 +798,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         eprintln!("bench: decoding {} side by side ...", names.join(", "));
         decode = bench_decode(opts)?;
     }
-    let mut ratios = Map::new();
+    let mut ratios = paired_ratios;
     if let Some(base) = train.get("baseline") {
         let flops = |f| Ok::<_, anyhow::Error>(bench_config(opts, f)?.training_flops_per_token(opts.seq_len).total());
         for f in [Family::DiffV1, Family::DiffV2] {
@@ -803,4 +861,25 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         "attn_long": attn,
         "notes": "attn_long: one layer's attention sub-layer forward, batch 1, D 256; peak_rss_mib is the child process's VmHWM and includes its baseline (binary, allocator, model, input: rss_before_forward_mib)",
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_with_ci95;
+
+    /// The interval's order statistics are the textbook ones (10 values: 2nd and 9th; 100 values:
+    /// 40th and 61st), the extremes at 6 values, none below; the values' order does not matter.
+    #[test]
+    fn median_interval_takes_the_binomial_order_statistics() {
+        let shuffled = |n: usize| -> Vec<f64> { (0..n).map(|i| ((i * 37) % n) as f64 + 1.0).collect() };
+        assert_eq!(median_with_ci95(&shuffled(10)), (6.0, Some((2.0, 9.0))));
+        assert_eq!(median_with_ci95(&shuffled(100)), (51.0, Some((40.0, 61.0))));
+        assert_eq!(median_with_ci95(&shuffled(6)), (4.0, Some((1.0, 6.0))));
+        assert_eq!(median_with_ci95(&shuffled(5)), (3.0, None));
+        assert_eq!(median_with_ci95(&[1.5]), (1.5, None));
+        // Far past where 2^n leaves f64.
+        let (_, ci) = median_with_ci95(&shuffled(3000));
+        let (lo, hi) = ci.unwrap();
+        assert!(lo < 1500.0 && hi > 1501.0 && hi - lo < 120.0, "{lo} {hi}");
+    }
 }

@@ -68,6 +68,11 @@ fn quick_bench_reports_every_part() {
     for f in ["diff-v1", "diff-v2"] {
         let flops = r["ratios"][format!("train_model_flops_{f}_over_baseline")].as_f64().unwrap();
         assert!(flops > 1.0 && flops < 1.5, "{f}: {flops}");
+        // The rounds' own ratios: one per timed step, too few for an interval in a quick run.
+        let paired = &r["ratios"][format!("train_step_time_{f}_over_baseline_paired")];
+        assert_eq!(paired["rounds"].as_u64(), Some(opts.steps as u64), "{f}: {paired}");
+        assert!(paired["median"].as_f64().unwrap() > 0.0, "{f}: {paired}");
+        assert_eq!(opts.steps < 6, paired["ci95"].is_null(), "{f}: {paired}");
     }
     for f in ["baseline", "diff-v1"] {
         let rows = r["attn_long"][f].as_array().unwrap();
