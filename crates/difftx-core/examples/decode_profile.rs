@@ -8,20 +8,34 @@ use candle_core::{DType, Device, Tensor};
 use difftx_core::model::{init_weights, Model};
 use difftx_core::{Decoder, Family, KvPrecision, ModelConfig, WeightPrecision};
 use std::collections::HashMap;
+use std::fmt::Display;
+use std::str::FromStr;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+const USAGE: &str = "decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16|int8] [PROMPT] [PRESET] [ROUNDS]";
+
+/// Command-line argument `n` parsed as a `T`, `default` when absent; a bad one is an error that
+/// names it and shows the usage.
+fn arg<T: FromStr>(n: usize, name: &str, default: T) -> anyhow::Result<T>
+where
+    T::Err: Display,
+{
+    match std::env::args().nth(n) {
+        None => Ok(default),
+        Some(text) => text.parse().map_err(|e| anyhow::anyhow!("{name}: cannot read {text:?} ({e})\nusage: {USAGE}")),
+    }
+}
+
 fn main() -> anyhow::Result<()> {
-    let family: Family = std::env::args().nth(1).unwrap_or("diff-v1".into()).parse().map_err(anyhow::Error::msg)?;
-    let batch: usize = std::env::args().nth(2).map_or(Ok(1), |s| s.parse())?;
-    let precision: WeightPrecision =
-        std::env::args().nth(3).map_or(Ok(WeightPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
-    let kv: KvPrecision =
-        std::env::args().nth(4).map_or(Ok(KvPrecision::F32), |s| s.parse()).map_err(anyhow::Error::msg)?;
-    let prompt: usize = std::env::args().nth(5).map_or(Ok(16), |s| s.parse())?;
-    let preset = std::env::args().nth(6).unwrap_or("bench-s".into());
-    let rounds: usize = std::env::args().nth(7).map_or(Ok(4), |s| s.parse())?;
+    let family: Family = arg(1, "FAMILY", Family::DiffV1)?;
+    let batch: usize = arg(2, "BATCH", 1)?;
+    let precision: WeightPrecision = arg(3, "weight precision", WeightPrecision::F32)?;
+    let kv: KvPrecision = arg(4, "KV cache precision", KvPrecision::F32)?;
+    let prompt: usize = arg(5, "PROMPT", 16)?;
+    let preset: String = arg(6, "PRESET", "bench-s".into())?;
+    let rounds: usize = arg(7, "ROUNDS", 4)?;
     anyhow::ensure!(rounds > 0, "ROUNDS must be at least 1");
     let cfg = ModelConfig::preset(&preset, family)?;
     anyhow::ensure!((1..cfg.max_seq_len).contains(&prompt), "the prompt must leave room for a step");

@@ -7,7 +7,7 @@
 //! rotate-half RoPE. The weight names are the engine's own, so weights are used as they are, with
 //! one exception: a DiffLlama with an odd `num_key_value_heads` (which HF allows) has each kv head
 //! duplicated, because the engine splits kv heads into two halves. HF repeats kv heads to the query
-//! count and then chunks them in two; duplicating every kv head (k'[m] = k[m / 2]) reproduces that
+//! count and then chunks them in two; duplicating every kv head (`k'[m] = k[m / 2]`) reproduces that
 //! exactly, so `read_hf_config` reports twice the file's kv head count in that case.
 //!
 //! Export converts a native model to those conventions: interleaved head pairing -> halves (q/k/v

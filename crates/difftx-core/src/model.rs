@@ -303,7 +303,7 @@ pub struct Probe {
     pub attn_logits: Vec<Tensor>,
     /// Per layer: the effective attention map [B, heads, T, S] (diff: A1 - lambda·A2).
     pub attn_maps: Vec<Tensor>,
-    /// Per layer lambda: diff-v1 scalar [1]; diff-v2 per token and pair [B, H, T]; baseline none.
+    /// Per layer lambda: diff-v1 scalar `[1]`; diff-v2 per token and pair `[B, H, T]`; baseline none.
     pub lambdas: Vec<Option<Tensor>>,
 }
 
@@ -825,7 +825,7 @@ impl Model {
     }
 }
 
-/// Convenience: the last position's logits as a Vec<f32> for sampling, from [1, T, V].
+/// Convenience: the last position's logits as a `Vec<f32>` for sampling, from `[1, T, V]`.
 pub fn last_logits(logits: &Tensor) -> Result<Vec<f32>> {
     let t = logits.dim(1)?;
     logits.i((0, t - 1))?.to_dtype(DType::F32)?.to_vec1::<f32>()

@@ -315,7 +315,7 @@ pub fn sink_over_layers(maps: &[Tensor], punct: &[bool]) -> Result<SinkShares> {
 
 /// What a uniform causal map over `punct.len()` tokens would give for [`sink_shares`]:
 /// (first_token_share, punct_share) = mean over rows t ≥ 1 of 1/(t+1) and of
-/// #{1 ≤ j ≤ t: punct[j]}/(t+1). NaN for fewer than two tokens.
+/// `#{1 ≤ j ≤ t: punct[j]}/(t+1)`. NaN for fewer than two tokens.
 pub fn uniform_causal_shares(punct: &[bool]) -> (f64, f64) {
     if punct.len() < 2 {
         return (f64::NAN, f64::NAN);

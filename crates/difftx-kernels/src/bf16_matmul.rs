@@ -5,7 +5,7 @@
 //! Layout: A `[m, k]` and B `[k, n]` are f32 views with any strides (so transposed operands of
 //! the backward need no copy); C is row-major `[m, n]`. k is taken in chunks (so that packed B
 //! stays in cache); per chunk (kp = chunk padded to a multiple of 32):
-//! * B is packed once as bf16 pairs along k (low half B[2p][j], high half B[2p+1][j], the "VNNI"
+//! * B is packed once as bf16 pairs along k (low half `B[2p][j]`, high half `B[2p+1][j]`, the "VNNI"
 //!   layout both instructions read) in panels of 16 columns: `[np/16][kp/2][16]` u32, columns
 //!   padded to a multiple of 32;
 //! * each task packs its 32 rows of A as `[kp/32][32 rows][32]` bf16.

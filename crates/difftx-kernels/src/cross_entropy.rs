@@ -15,7 +15,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// Mean cross-entropy (nats) of `logits` [rows, vocab] (f32 or f64) against `targets` [rows]
+/// Mean cross-entropy (nats) of `logits` `[rows, vocab]` (f32 or f64) against `targets` `[rows]`
 /// (u32 or i64), as a scalar of the logits' dtype, with backward to the logits.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (rows, vocab) = logits.dims2()?;

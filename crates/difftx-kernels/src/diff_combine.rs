@@ -152,7 +152,7 @@ pub enum PairLayout {
 /// is split or copied: viewed as `[outer, 2, inner]` (outer = B·P and inner = T·w for interleaved
 /// pairs, outer = B and inner = P·T·w for halves), row `o` of z is `x[o, 0] − λ·x[o, 1]`, and in
 /// both layouts the per-position λ of vector `r` (w elements) of row `o` is `λ[o·inner/w + r]`.
-/// Backward: dx[o, 0] = dz[o], dx[o, 1] = −λ·dz[o]; dλ = −Σ dz·x[·, 1] over everything λ
+/// Backward: `dx[o, 0] = dz[o]`, `dx[o, 1] = −λ·dz[o]`; `dλ = −Σ dz·x[·, 1]` over everything λ
 /// multiplied (for a scalar λ: per-row partial sums added in row order).
 pub fn diff_combine_pairs(x: &Tensor, lambda: &Tensor, layout: PairLayout) -> Result<Tensor> {
     match x.dtype() {

@@ -12,7 +12,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result,
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-/// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * gain (gain optional, shape [last_dim]).
+/// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * gain (gain optional, shape `[last_dim]`).
 /// Statistics computed in f32 at least (f64 for f64 input). Backward for x and gain.
 pub fn rms_norm(x: &Tensor, gain: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     match x.dtype() {

@@ -22,7 +22,7 @@ pub enum TileProducts {
     /// In the tensors' own dtype.
     #[default]
     Native,
-    /// bf16 values with f32 sums ([`mm_rows_bf16`]) for f32 tensors, as `--precision bf16`
+    /// bf16 values with f32 sums (`tile::mm_rows_bf16`) for f32 tensors, as `--precision bf16`
     /// multiplies in the linear layers; f64 tensors stay native.
     Bf16,
 }

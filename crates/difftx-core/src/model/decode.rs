@@ -551,7 +551,7 @@ impl Decoder {
     }
 
     /// Starts `seq` over with `prompt` and returns the logits of the prompt's last position,
-    /// [vocab]. The prompt's positions run as rows of one pass (in chunks of `PREFILL_CHUNK`),
+    /// `[vocab]`. The prompt's positions run as rows of one pass (in chunks of `PREFILL_CHUNK`),
     /// each attending to the positions up to its own.
     pub fn prefill(&self, seq: &mut SequenceCache, prompt: &[u32]) -> Result<Vec<f32>> {
         crate::generate::check_prompt(prompt, self.max_seq_len)?;
@@ -563,7 +563,7 @@ impl Decoder {
     }
 
     /// Appends `tokens` (at least one) to `seq` at its next positions, as rows of one pass (in
-    /// chunks of `PREFILL_CHUNK`), and returns the logits after the last of them, [vocab]: a
+    /// chunks of `PREFILL_CHUNK`), and returns the logits after the last of them, `[vocab]`: a
     /// prompt, or the tokens a speculative draft's cache has not seen yet.
     pub fn append(&self, seq: &mut SequenceCache, tokens: &[u32]) -> Result<Vec<f32>> {
         ensure!(!tokens.is_empty(), "no tokens to append");
