@@ -9,8 +9,14 @@ training step's SwiGLU input product (`host_matmul_gflops`): the training ratio 
 AVX512_BF16 faster than f32) is compared with PyTorch's f32 training; where `--precision bf16`
 runs f32 instead, each round keeps difftx's reason (`train_bf16_note`) and the summary says so.
 
-The report ends with a `summary`: each figure's lowest and highest value over the rounds, and for
-each target of issue #10 that a round can check, in how many rounds it was met.
+difftx also times diff-v2 (PyTorch has no counterpart): its step-time ratio over the baseline, and
+every DIFF / baseline step ratio again as the median of the round's paired steps with a 95%
+interval (`..._paired`, from `difftx bench`).
+
+The report ends with a `summary`: each figure's lowest and highest value over the rounds, for
+each target of issue #10 that a round can check, in how many rounds it was met, and for each
+paired step ratio, in how many rounds its interval lay wholly below 1.10, wholly above it, or
+around it.
 
 Usage:
     python3 bench/side_by_side.py --python /tmp/hfvenv/bin/python [--rounds 2] [--no-train]
@@ -54,6 +60,7 @@ TARGETS = [
     ("diff-v1 training --precision bf16 >= 2.5x PyTorch f32", "ratio_difftx_over_pytorch",
      "train_bf16_diff-v1_tokens_per_sec_over_pytorch_f32", lambda x: x >= 2.5),
     ("diff-v1 / baseline step time <= 1.10", "difftx", "train_step_time_diff-v1_over_baseline", lambda x: x <= 1.10),
+    ("diff-v2 / baseline step time <= 1.10", "difftx", "train_step_time_diff-v2_over_baseline", lambda x: x <= 1.10),
     ("diff-v1 decode >= 10x HF generate", "ratio_difftx_over_pytorch", "decode_diff-v1_tokens_per_sec", lambda x: x >= 10),
     ("diff-v1 decode >= 2,000 tokens/s", "difftx", "decode_diff-v1_tokens_per_sec", lambda x: x >= 2000),
     ("diff-v1 / baseline decode time <= 1.10", "difftx", "decode_time_diff-v1_over_baseline", lambda x: x <= 1.10),
@@ -92,7 +99,16 @@ def summarize(rounds):
     notes = {row.get("difftx", {}).get("train_bf16_note") for row in rounds} - {None}
     if notes:
         targets["--precision bf16 ran f32"] = "; ".join(sorted(notes))
-    return {"ranges": ranges, "targets_met": targets}
+    # Each paired step ratio's 95% interval against the 1.10 target, round by round.
+    intervals = {}
+    for key in sorted({k for row in rounds for k in row.get("difftx", {}) if k.endswith("_paired")}):
+        cis = [get(row, "difftx", key, "ci95") for row in rounds]
+        cis = [ci for ci in cis if isinstance(ci, list) and len(ci) == 2]
+        if cis:
+            below = sum(1 for lo, hi in cis if hi <= 1.10)
+            above = sum(1 for lo, hi in cis if lo > 1.10)
+            intervals[key] = f"below 1.10 in {below}, above in {above}, around it in {len(cis) - below - above} of {len(cis)} rounds"
+    return {"ranges": ranges, "targets_met": targets, "paired_step_ratio_intervals": intervals}
 
 
 def main():
@@ -120,7 +136,7 @@ def main():
     if a.rounds < 1 or a.steps < 1:
         ap.error("--rounds and --steps must be at least 1")
 
-    common = ["--families", "baseline,diff-v1", "--steps", str(a.steps)]
+    common = ["--steps", str(a.steps)]
     if a.no_train:
         common.append("--no-train")
     if a.no_attn:
@@ -128,8 +144,9 @@ def main():
     rounds = []
     cpu = None
     for r in range(a.rounds):
-        ours = run_json([a.difftx, "bench", "--no-reference", *common])
-        theirs = run_json([a.python, os.path.join(HERE, "pytorch_ref.py"), *common])
+        # diff-v2 on difftx's side only: PyTorch has no DIFF V2 model.
+        ours = run_json([a.difftx, "bench", "--no-reference", "--families", "baseline,diff-v1,diff-v2", *common])
+        theirs = run_json([a.python, os.path.join(HERE, "pytorch_ref.py"), "--families", "baseline,diff-v1", *common])
         cpu = ours.get("cpu", cpu)
         row = {"round": r + 1, "difftx": {}, "pytorch": {}, "ratio_difftx_over_pytorch": {}}
         for part in ["train", "decode"]:
@@ -154,7 +171,12 @@ def main():
         row["difftx"]["host_matmul_gflops"], row["pytorch"]["host_matmul_gflops"] = g
         if all(g):
             row["ratio_difftx_over_pytorch"]["host_matmul_gflops"] = round(g[0] / g[1], 3)
-        row["difftx"]["train_bf16_step_time_diff-v1_over_baseline"] = get(ours, "ratios", "train_bf16_step_time_diff-v1_over_baseline")
+        for fam in ["diff-v1", "diff-v2"]:
+            for prefix in ["train_step_time", "train_bf16_step_time"]:
+                for suffix in ["", "_paired"]:
+                    key = f"{prefix}_{fam}_over_baseline{suffix}"
+                    if key != "train_step_time_diff-v1_over_baseline":  # with PyTorch's, below
+                        row["difftx"][key] = get(ours, "ratios", key)
         for key in ["train_step_time_diff-v1_over_baseline", "decode_time_diff-v1_over_baseline"]:
             row["difftx"][key] = get(ours, "ratios", key)
             row["pytorch"][key] = get(theirs, "ratios", key)
