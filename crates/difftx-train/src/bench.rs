@@ -34,11 +34,11 @@
 //!   `..._paired`: the median of the rounds' own ratios (each DIFF step over the baseline step
 //!   of its round, seconds apart) with a distribution-free 95% confidence interval
 //!   (`median_with_ci95`), so that one run says whether a ratio is below a target or only
-//!   near it. Each training report
-//!   has its step's model GFLOP (linear layers, attention), the time its steps spent in the
-//!   attention kernels (`difftx_core::profile`) and the model GFLOP/s achieved by the whole
-//!   step, inside the attention kernels and outside them (attention's FLOPs over its time, the
-//!   linear layers' over the rest: element-wise work counts as time but not as FLOPs).
+//!   near it. Each training report has its step's model GFLOP (linear layers, attention), the
+//!   time its steps spent in the attention kernels (`difftx_core::profile`) and the model
+//!   GFLOP/s achieved by the whole step, inside the attention kernels and outside them
+//!   (attention's FLOPs over its time, the linear layers' over the rest: element-wise work
+//!   counts as time but not as FLOPs).
 //!
 //! Threads: `difftx bench` sets `CANDLE_NUM_THREADS=1` (candle's spinning barrier pool for
 //! element-wise ops otherwise competes with rayon's gemm and kernel threads: on the shared
