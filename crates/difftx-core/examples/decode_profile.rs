@@ -14,18 +14,17 @@ use std::str::FromStr;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[path = "../../difftx-kernels/examples/common/args.rs"]
+mod args;
+
 const USAGE: &str = "decode_profile FAMILY BATCH [f32|bf16|int8] [f32|bf16|int8] [PROMPT] [PRESET] [ROUNDS]";
 
-/// Command-line argument `n` parsed as a `T`, `default` when absent; a bad one is an error that
-/// names it and shows the usage.
-fn arg<T: FromStr>(n: usize, name: &str, default: T) -> anyhow::Result<T>
+/// Command-line argument `n` parsed as a `T` ([`args::parse`]), `default` when absent.
+fn arg<T: FromStr>(n: usize, name: &str, default: T) -> candle_core::Result<T>
 where
     T::Err: Display,
 {
-    match std::env::args().nth(n) {
-        None => Ok(default),
-        Some(text) => text.parse().map_err(|e| anyhow::anyhow!("{name}: cannot read {text:?} ({e})\nusage: {USAGE}")),
-    }
+    std::env::args().nth(n).map_or(Ok(default), |text| args::parse(&text, name, USAGE))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,9 +35,13 @@ fn main() -> anyhow::Result<()> {
     let prompt: usize = arg(5, "PROMPT", 16)?;
     let preset: String = arg(6, "PRESET", "bench-s".into())?;
     let rounds: usize = arg(7, "ROUNDS", 4)?;
-    anyhow::ensure!(rounds > 0, "ROUNDS must be at least 1");
+    anyhow::ensure!(batch > 0 && rounds > 0, "BATCH and ROUNDS must be at least 1\nusage: {USAGE}");
     let cfg = ModelConfig::preset(&preset, family)?;
-    anyhow::ensure!((1..cfg.max_seq_len).contains(&prompt), "the prompt must leave room for a step");
+    anyhow::ensure!(
+        (1..cfg.max_seq_len).contains(&prompt),
+        "PROMPT must be 1 to {} on {preset}: at least one token, and room for a step",
+        cfg.max_seq_len - 1
+    );
     let w: HashMap<String, Tensor> = init_weights(&cfg, 0, DType::F32, &Device::Cpu)?.into_iter().collect();
     let m = Model::from_weights(&cfg, &w)?;
     let mut dec = Decoder::with_precision(&m, precision)?;

@@ -1,13 +1,17 @@
-//! Command-line parsing shared by the benchmark examples (included with `#[path]`): a bad
-//! argument is an error that names it and shows the example's usage, not a panic.
+//! Command-line parsing shared by the benchmark examples of difftx-kernels and difftx-core
+//! (included with `#[path]`): a bad argument is an error that names it, says why, and shows the
+//! example's usage, not a panic.
 // Each example uses only part of it.
 #![allow(dead_code)]
 
 use candle_core::{Error, Result};
 
-/// `text` parsed as a `T`, or an error naming `what` and showing `usage`.
-pub fn parse<T: std::str::FromStr>(text: &str, what: &str, usage: &str) -> Result<T> {
-    text.parse().map_err(|_| Error::Msg(format!("{what}: cannot read {text:?}\nusage: {usage}")))
+/// `text` parsed as a `T`, or an error naming `what`, saying why, and showing `usage`.
+pub fn parse<T: std::str::FromStr>(text: &str, what: &str, usage: &str) -> Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    text.parse().map_err(|e| Error::Msg(format!("{what}: cannot read {text:?} ({e})\nusage: {usage}")))
 }
 
 /// `text` split at `:` into exactly `count` numbers (`format` names them, as `TOKENS:IN:OUT`).
