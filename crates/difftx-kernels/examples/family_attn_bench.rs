@@ -1,6 +1,6 @@
 //! The three families' attention kernels at bench-s training shapes (B 8, T 256, d 32), forward
-//! and backward, timed in alternation: `family_attn_bench [ROUNDS [FAMILY]]` (FAMILY: only that one,
-//! for a profiler).
+//! and backward, timed in alternation: `family_attn_bench [ROUNDS [FAMILY [PRODUCTS]]]` (FAMILY:
+//! only that one, `all` for the three; PRODUCTS `f32` or `bf16`: only those tiles; for a profiler).
 //! baseline: `flash_attention`, 8 query heads over 8 kv heads; diff-v1: `diff_attention`, 8
 //! query heads over 8 kv heads (4 pairs, values 2d wide); diff-v2: `diff_v2_attention`, 16 query
 //! heads over 4 kv heads. Times are the kernels' own (`profile::attention_time`: inside the ops,
@@ -18,7 +18,7 @@ use difftx_kernels::{diff_attention, diff_v2_attention, flash_attention, PairLay
 #[path = "common/args.rs"]
 mod args;
 
-const USAGE: &str = "family_attn_bench [ROUNDS [baseline|diff-v1|diff-v2]]";
+const USAGE: &str = "family_attn_bench [ROUNDS [baseline|diff-v1|diff-v2|all [f32|bf16]]]";
 
 // The CLI's allocator: with the system one, every round's fresh gradient buffers are new pages
 // whose first touch is counted inside the kernels (docs/design.md §7.2).
@@ -71,7 +71,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let rounds: usize = std::env::args().nth(1).map_or(Ok(20), |r| args::parse(&r, "ROUNDS", USAGE))?;
-    let only = std::env::args().nth(2);
+    let only = std::env::args().nth(2).filter(|f| f != "all");
+    let products: Vec<TileProducts> = match std::env::args().nth(3).as_deref() {
+        None => vec![TileProducts::Native, TileProducts::Bf16],
+        Some("f32") => vec![TileProducts::Native],
+        Some("bf16") => vec![TileProducts::Bf16],
+        Some(other) => {
+            return Err(candle_core::Error::Msg(format!("unknown PRODUCTS {other:?}\nusage: {USAGE}")));
+        }
+    };
     let cases: Vec<Case> = [
         Case { name: "baseline", hq: 8, hk: 8 },
         Case { name: "diff-v1", hq: 8, hk: 8 },
@@ -84,8 +92,7 @@ fn main() -> Result<()> {
         // only a family name that matches no case leaves none
         return Err(candle_core::Error::Msg(format!("unknown family {:?}\nusage: {USAGE}", only.unwrap_or_default())));
     }
-    let runs: Vec<(&Case, TileProducts)> =
-        cases.iter().flat_map(|c| [(c, TileProducts::Native), (c, TileProducts::Bf16)]).collect();
+    let runs: Vec<(&Case, TileProducts)> = cases.iter().flat_map(|c| products.iter().map(move |&p| (c, p))).collect();
     let mut fwd = vec![Vec::new(); runs.len()];
     let mut bwd = vec![Vec::new(); runs.len()];
     for round in 0..rounds + 2 {

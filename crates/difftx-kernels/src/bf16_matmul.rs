@@ -932,9 +932,17 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod amx {
+pub(crate) mod amx {
     use super::{BLOCK, PANEL};
     use std::arch::asm;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Whether this thread's tiles hold [`configure`]'s configuration (cleared by
+        /// [`release`]), so that the attention kernels' small products configure once per thread
+        /// instead of once per product.
+        static CONFIGURED: Cell<bool> = const { Cell::new(false) };
+    }
 
     /// The 64-byte tile configuration (palette 1): tiles 0-7 all 16 rows of 64 bytes.
     #[repr(C, align(64))]
@@ -970,10 +978,22 @@ mod amx {
             cfg.rows[t] = 16;
         }
         asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileConfig, options(nostack));
+        CONFIGURED.set(true);
+    }
+
+    /// [`configure`] unless this thread's tiles are configured already.
+    ///
+    /// # Safety
+    /// The CPU has AMX and Linux gave this process its tile state (`amx_available()`).
+    pub(crate) unsafe fn ensure_configured() {
+        if !CONFIGURED.get() {
+            configure();
+        }
     }
 
     pub(super) unsafe fn release() {
         asm!("tilerelease", options(nostack, nomem));
+        CONFIGURED.set(false);
     }
 
     /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (packed

@@ -158,7 +158,11 @@ fn last(rs: usize, cs: usize, r: usize, c: usize) -> usize {
 }
 
 thread_local! {
-    /// [`mm_rows_bf16`]'s converted operands (`A`, `B`), kept between calls.
+    /// [`mm_rows_bf16_amx`]'s converted operands (`A`, `B`, and `A`'s columns before their
+    /// transpose), kept between calls.
+    static AMX_OPERANDS: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// [`mm_rows_bf16_pairs`]'s converted operands (`A`, `B`), kept between calls.
     static PAIRS: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// [`mm_rows_bf16_rounded`]'s rounded copies of `A` and `B`, kept between calls.
     static ROUNDED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
@@ -166,13 +170,39 @@ thread_local! {
 
 /// [`mm_rows`] with bf16 products, f32 only: every value of `A` and `B` is rounded to bf16 (to
 /// nearest, ties to even, as [`crate::bf16_matmul`] rounds) and the products are summed in f32:
-/// the attention kernels' tiles under `--precision bf16`. With AVX512_BF16, both operands are
-/// first converted into pairs along `k` (`vdpbf16ps` multiplies two values of `k` per lane, half
-/// the instructions of f32 FMAs; a tile's operands are small and in L1, so converting them per
-/// call costs a fraction of the product). Elsewhere the rounded values go through [`mm_rows`]:
-/// the same products, summed in another order.
+/// the attention kernels' tiles under `--precision bf16`. Where the bf16 backend is AMX, on AMX
+/// tiles ([`mm_rows_bf16_amx`]: Intel's `vdpbf16ps` issues at half the rate of its f32 FMAs'
+/// products, so there the pairs below ran the attention kernels 1.4-2× slower than f32 tiles,
+/// docs/design.md §7.38); elsewhere with AVX512_BF16 on pairs ([`mm_rows_bf16_pairs`]); without
+/// either, rounded copies through [`mm_rows`] (the same products, summed in another order).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mm_rows_bf16(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    ldc: usize,
+    acc: bool,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    beta: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if amx::available() {
+        return mm_rows_bf16_amx(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta);
+    }
+    mm_rows_bf16_pairs(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta)
+}
+
+/// [`mm_rows_bf16`] with AVX512_BF16: both operands are first converted into pairs along `k`
+/// (`vdpbf16ps` multiplies two values of `k` per lane, half the instructions of f32 FMAs; a
+/// tile's operands are small and in L1, so converting them per call costs a fraction of the
+/// product). Without AVX512_BF16, [`mm_rows_bf16_rounded`].
+#[allow(clippy::too_many_arguments)]
+fn mm_rows_bf16_pairs(
     m: usize,
     n: usize,
     k: usize,
@@ -281,6 +311,145 @@ fn mm_rows_bf16_rounded(
         br.clear();
         br.extend((0..k * n).map(|x| round(b[(x / n) * ldb + x % n])));
         mm_rows(m, n, k, c, ldc, acc, ar, k, 1, br, n, beta)
+    })
+}
+
+/// [`mm_rows_bf16`] on AMX tiles. Both operands are converted per call into the layouts the
+/// tiles load, zero padded to whole blocks of 32 (rows of `A`, columns of `B`, values of `k`):
+/// `A` as `[k / 32][rows][32]` bf16 and `B` as panels of 16 columns of pairs along `k`,
+/// `[columns / 16][k / 2][16]` u32, so that every 16-row tile is 1 KiB of consecutive memory.
+/// Each 32 × 32 block of `C` is four accumulator tiles (`tdpbf16ps`: 16 × 16 outputs over 32
+/// values of `k` per instruction), stored to a scratch block and added into `C` as the other
+/// paths do (`C = (acc ? C : 0) + beta·sum`, one FMA), only its valid part. Zero padding adds
+/// nothing, so the sums are those of the rounded values, in AMX's order.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn mm_rows_bf16_amx(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    ldc: usize,
+    acc: bool,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    ldb: usize,
+    beta: f32,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return mm_rows(m, n, k, c, ldc, acc, a, a_rs, a_cs, b, ldb, beta);
+    }
+    assert!(amx::available(), "mm_rows_bf16_amx: no AMX here");
+    assert!(n <= ldc && last(ldc, 1, m, n) < c.len(), "mm_rows_bf16_amx: C out of bounds");
+    assert_operands_inside("mm_rows_bf16_amx", (m, n, k), (a.len(), a_rs, a_cs), (b.len(), ldb));
+    let (mp, np) = (m.div_ceil(amx::BLOCK) * amx::BLOCK, n.div_ceil(amx::BLOCK) * amx::BLOCK);
+    let blocks = k.div_ceil(amx::BLOCK);
+    let pairs = blocks * amx::BLOCK / 2;
+    AMX_OPERANDS.with(|buf| {
+        let (ap, bp, cols) = &mut *buf.borrow_mut();
+        // A's pair q of k block `blk` in row i at ap[(blk * mp + i) * 16 + q] (as u32: two bf16).
+        ap.resize(blocks * mp * 16, 0);
+        if a_cs == 1 {
+            for i in 0..m {
+                let row = &a[i * a_rs..i * a_rs + k];
+                for blk in 0..blocks {
+                    let lo = blk * amx::BLOCK;
+                    let w = (k - lo).min(amx::BLOCK);
+                    let run = &mut ap[(blk * mp + i) * 16..][..16];
+                    // SAFETY: u16 has no stricter alignment than u32; the run holds 32 u16.
+                    let halves = unsafe { std::slice::from_raw_parts_mut(run.as_mut_ptr() as *mut u16, 32) };
+                    // SAFETY: AMX implies AVX512_BF16 (`amx_available`); w values on both sides.
+                    unsafe { to_bf16(&row[lo..lo + w], &mut halves[..w]) };
+                    halves[w..].fill(0);
+                }
+            }
+        } else if a_rs == 1 {
+            // Columns contiguous (a transposed operand): columns 2p and 2p + 1 give pair p of
+            // every row, as runs of `mp` pairs; 16 × 16 transposes put them in rows.
+            cols.resize(pairs * mp, 0);
+            for (p, run) in cols.chunks_exact_mut(mp).enumerate() {
+                let col = |j: usize| &a[j * a_cs..j * a_cs + m];
+                if 2 * p < k {
+                    // SAFETY: as above; the columns hold m values each.
+                    unsafe { to_bf16_pairs(col(2 * p), (2 * p + 1 < k).then(|| col(2 * p + 1)), &mut run[..m]) };
+                    run[m..].fill(0);
+                } else {
+                    run.fill(0);
+                }
+            }
+            for blk in 0..blocks {
+                let src = &cols[blk * 16 * mp..(blk + 1) * 16 * mp];
+                let dst = &mut ap[blk * mp * 16..(blk + 1) * mp * 16];
+                // The transposes move bits only; f32 is the type they do in registers.
+                // SAFETY: u32 and f32 have the same size and alignment.
+                let (src, dst) = unsafe {
+                    (
+                        std::slice::from_raw_parts(src.as_ptr() as *const f32, src.len()),
+                        std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f32, dst.len()),
+                    )
+                };
+                transpose_into(src, 16, mp, dst, 16);
+            }
+        } else {
+            for i in 0..m {
+                for q in 0..pairs {
+                    let at = |p: usize| if p < k { a[i * a_rs + p * a_cs] } else { 0.0 };
+                    ap[((q / 16) * mp + i) * 16 + q % 16] = bf16_pair(at(2 * q), at(2 * q + 1));
+                }
+            }
+        }
+        for blk in 0..blocks {
+            ap[(blk * mp + m) * 16..(blk * mp + mp) * 16].fill(0);
+        }
+        // B's pair row p, column 16·panel + j at bp[(panel * pairs + p) * 16 + j].
+        bp.resize(np / 16 * pairs * 16, 0);
+        for (panel, rows) in bp.chunks_exact_mut(pairs * 16).enumerate() {
+            let j0 = panel * 16;
+            let w = n.saturating_sub(j0).min(16);
+            for (p, run) in rows.chunks_exact_mut(16).enumerate() {
+                if w > 0 && 2 * p < k {
+                    let row = |r: usize| &b[r * ldb + j0..r * ldb + j0 + w];
+                    // SAFETY: as above; the rows hold w values each.
+                    unsafe { to_bf16_pairs(row(2 * p), (2 * p + 1 < k).then(|| row(2 * p + 1)), &mut run[..w]) };
+                    run[w..].fill(0);
+                } else {
+                    run.fill(0);
+                }
+            }
+        }
+        let mut sums = amx::Block([0.0; amx::BLOCK * amx::BLOCK]);
+        // SAFETY: AMX is available (asserted above), so is AVX-512F.
+        unsafe { amx::ensure_configured() };
+        for ib in 0..mp / amx::BLOCK {
+            let rows = (m - ib * amx::BLOCK).min(amx::BLOCK);
+            for jb in 0..np / amx::BLOCK {
+                let w = (n - jb * amx::BLOCK).min(amx::BLOCK);
+                // SAFETY: the packed operands hold every tile the block loads (whole blocks,
+                // padded above); the tiles are configured on this thread; C's rows i0..i0+rows,
+                // columns j0..j0+w are inside `c` (asserted above).
+                unsafe {
+                    amx::block(
+                        ap.as_ptr().add(ib * amx::BLOCK * 16),
+                        mp * 16,
+                        bp.as_ptr().add(2 * jb * pairs * 16),
+                        pairs * 16,
+                        blocks,
+                        &mut sums,
+                    );
+                    amx::add_into(
+                        &sums,
+                        rows,
+                        w,
+                        c.as_mut_ptr().add(ib * amx::BLOCK * ldc + jb * amx::BLOCK),
+                        ldc,
+                        acc,
+                        beta,
+                    );
+                }
+            }
+        }
     })
 }
 
@@ -591,6 +760,108 @@ pub(crate) mod avx512 {
     }
 }
 
+/// AMX tiles for [`mm_rows_bf16_amx`]; the tile configuration is [`crate::bf16_matmul`]'s.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::avx512::lane_mask;
+    use crate::bf16_matmul::{bf16_backend, Bf16Backend};
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// Rows and columns of a block of C (2 × 2 tiles), and values of k per step.
+    pub(super) const BLOCK: usize = 32;
+
+    /// A block of C's sums, row-major (rows of 32), aligned for the tile stores.
+    #[repr(C, align(64))]
+    pub(super) struct Block(pub(super) [f32; BLOCK * BLOCK]);
+
+    /// Whether the bf16 backend is AMX (`DIFFTX_BF16_BACKEND=avx512_bf16` says it is not).
+    pub(super) fn available() -> bool {
+        static AMX: OnceLock<bool> = OnceLock::new();
+        *AMX.get_or_init(|| bf16_backend() == Some(Bf16Backend::Amx))
+    }
+
+    /// # Safety
+    /// As [`crate::bf16_matmul::amx::ensure_configured`].
+    pub(super) unsafe fn ensure_configured() {
+        crate::bf16_matmul::amx::ensure_configured()
+    }
+
+    /// `out` = the 32 × 32 block of sums of A's rows (`a`: k block `blk` of the block's 32 rows
+    /// at `a + blk·a_step`, 32 rows of 16 pairs) by two panels of B (`b`, and `b + panel`: k
+    /// block `blk` at `blk·256`, 16 pair rows of 16 columns), over `blocks` k blocks.
+    /// Tiles: 0-3 accumulate (rows 0-15 / 16-31 × columns 0-15 / 16-31), 4-5 hold A, 6-7 B.
+    ///
+    /// # Safety
+    /// The tiles are configured on this thread; every tile read lies inside the operands.
+    #[inline(always)]
+    pub(super) unsafe fn block(
+        a: *const u32,
+        a_step: usize,
+        b: *const u32,
+        panel: usize,
+        blocks: usize,
+        out: &mut Block,
+    ) {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+        let stride = 64usize;
+        for blk in 0..blocks {
+            let a0 = a.add(blk * a_step);
+            let b0 = b.add(blk * 256);
+            asm!(
+                "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a0, a1 = in(reg) a0.add(16 * 16), b0 = in(reg) b0, b1 = in(reg) b0.add(panel),
+                s = in(reg) stride,
+                options(nostack, readonly),
+            );
+        }
+        let t = out.0.as_mut_ptr();
+        asm!(
+            "tilestored [{t0} + {s}*1], tmm0",
+            "tilestored [{t1} + {s}*1], tmm1",
+            "tilestored [{t2} + {s}*1], tmm2",
+            "tilestored [{t3} + {s}*1], tmm3",
+            t0 = in(reg) t, t1 = in(reg) t.add(16), t2 = in(reg) t.add(16 * BLOCK), t3 = in(reg) t.add(16 * BLOCK + 16),
+            s = in(reg) BLOCK * 4,
+            options(nostack),
+        );
+    }
+
+    /// `C = (acc ? C : 0) + beta·sums` over the block's first `rows` rows and `w` columns (`c`:
+    /// its first element, rows `ldc` apart).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; those rows and columns of C are writable.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn add_into(sums: &Block, rows: usize, w: usize, c: *mut f32, ldc: usize, acc: bool, beta: f32) {
+        let beta = _mm512_set1_ps(beta);
+        let masks = [lane_mask(w), lane_mask(w.saturating_sub(16))];
+        for r in 0..rows {
+            let cr = c.add(r * ldc);
+            for (v, &mask) in masks.iter().enumerate() {
+                if mask == 0 {
+                    continue;
+                }
+                let s = _mm512_load_ps(sums.0.as_ptr().add(r * BLOCK + 16 * v));
+                let out = if acc {
+                    _mm512_fmadd_ps(beta, s, _mm512_maskz_loadu_ps(mask, cr.add(16 * v)))
+                } else {
+                    _mm512_mul_ps(beta, s)
+                };
+                _mm512_mask_storeu_ps(cr.add(16 * v), mask, out);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -696,6 +967,12 @@ mod tests {
     #[test]
     fn bf16_matches_f64_product_of_rounded_values() {
         check_awkward_shapes(mm_rows_bf16, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
+        // Each path this CPU has: AMX tiles, AVX512_BF16 pairs.
+        #[cfg(target_arch = "x86_64")]
+        if amx::available() {
+            check_awkward_shapes(mm_rows_bf16_amx, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
+        }
+        check_awkward_shapes(mm_rows_bf16_pairs, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
         // The path of CPUs without AVX512_BF16, whatever this one has.
         check_awkward_shapes(mm_rows_bf16_rounded, |x| bf16_to_f32(bf16_bits(x)), 1e-6);
     }
