@@ -735,7 +735,7 @@ fn run_row_block(
             // `ldc` with 32 columns from it; the backend's instructions were detected at run time.
             unsafe {
                 match backend {
-                    Bf16Backend::Amx => amx::block(a, b, kp, c0, out, ldc, accumulate),
+                    Bf16Backend::Amx => amx::block(a, BLOCK * BLOCK, b, kp, c0, out, ldc, accumulate),
                     Bf16Backend::Avx512Bf16 => avx512::block(a, b, kp, c0, out, ldc, accumulate),
                 }
             }
@@ -996,13 +996,20 @@ pub(crate) mod amx {
         CONFIGURED.set(false);
     }
 
-    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (packed
-    /// `[kp/32][32][32]` bf16) · B columns c0..c0+32 (packed panels `[np/16][kp/2][16]`).
+    /// out (32 rows of stride `ldc`, 32 columns) = (out if `accumulate`) + A block (32 rows of
+    /// 32 bf16 per k block, the k blocks `a_step` values apart: `BLOCK²` in this module's
+    /// packing `[kp/32][32][32]`, more in the attention tiles', whose k blocks hold every row) ·
+    /// B columns c0..c0+32 (packed panels `[np/16][kp/2][16]`).
     /// Tiles: 0-3 accumulate C (rows 0-15 / 16-31 × cols 0-15 / 16-31), 4-5 hold A, 6-7 hold B.
+    ///
+    /// # Safety
+    /// The tiles are configured on this thread; every tile read lies inside `a` and `b`; `out`
+    /// has 32 writable rows of `ldc` with 32 columns each.
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn block(
+    pub(crate) unsafe fn block(
         a: &[u16],
+        a_step: usize,
         b: &[u32],
         kp: usize,
         c0: usize,
@@ -1030,7 +1037,7 @@ pub(crate) mod amx {
             asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
         }
         for kc in 0..kp / 32 {
-            let a0 = a.as_ptr().add(kc * BLOCK * BLOCK);
+            let a0 = a.as_ptr().add(kc * a_step);
             let a1 = a0.add(16 * BLOCK);
             let b0 = panel0.add(kc * 16 * PANEL);
             let b1 = panel1.add(kc * 16 * PANEL);

@@ -317,9 +317,10 @@ fn mm_rows_bf16_rounded(
 /// [`mm_rows_bf16`] on AMX tiles. Both operands are converted per call into the layouts the
 /// tiles load, zero padded to whole blocks of 32 (rows of `A`, columns of `B`, values of `k`):
 /// `A` as `[k / 32][rows][32]` bf16 and `B` as panels of 16 columns of pairs along `k`,
-/// `[columns / 16][k / 2][16]` u32, so that every 16-row tile is 1 KiB of consecutive memory.
-/// Each 32 × 32 block of `C` is four accumulator tiles (`tdpbf16ps`: 16 × 16 outputs over 32
-/// values of `k` per instruction), stored to a scratch block and added into `C` as the other
+/// `[columns / 16][k / 2][16]` u32 (the linear layers' packing of B), so that every 16-row tile
+/// is 1 KiB of consecutive memory. Each 32 × 32 block of `C` is the linear layers' tile kernel
+/// (`bf16_matmul::amx::block`: four accumulator tiles, `tdpbf16ps` giving 16 × 16 outputs over
+/// 32 values of `k` per instruction) into a scratch block, added into `C` as the other
 /// paths do (`C = (acc ? C : 0) + beta·sum`, one FMA), only its valid part. Zero padding adds
 /// nothing, so the sums are those of the rounded values, in AMX's order.
 #[cfg(target_arch = "x86_64")]
@@ -419,24 +420,31 @@ fn mm_rows_bf16_amx(
                 }
             }
         }
+        // The linear layers' tile kernel, on A's bf16 values: a 32-row block starts 32 · 32
+        // values into a k block, and the k blocks are `mp` rows of 32 apart.
+        // SAFETY: u16 has no stricter alignment than u32; `ap` holds 2·len u16.
+        let a16 = unsafe { std::slice::from_raw_parts(ap.as_ptr() as *const u16, 2 * ap.len()) };
         let mut sums = amx::Block([0.0; amx::BLOCK * amx::BLOCK]);
-        // SAFETY: AMX is available (asserted above), so is AVX-512F.
-        unsafe { amx::ensure_configured() };
+        // SAFETY: AMX is available (asserted above).
+        unsafe { crate::bf16_matmul::amx::ensure_configured() };
         for ib in 0..mp / amx::BLOCK {
             let rows = (m - ib * amx::BLOCK).min(amx::BLOCK);
             for jb in 0..np / amx::BLOCK {
                 let w = (n - jb * amx::BLOCK).min(amx::BLOCK);
                 // SAFETY: the packed operands hold every tile the block loads (whole blocks,
-                // padded above); the tiles are configured on this thread; C's rows i0..i0+rows,
-                // columns j0..j0+w are inside `c` (asserted above).
+                // padded above); the tiles are configured on this thread; `sums` is one block of
+                // rows of 32; C's rows i0..i0+rows, columns j0..j0+w are inside `c` (asserted
+                // above).
                 unsafe {
-                    amx::block(
-                        ap.as_ptr().add(ib * amx::BLOCK * 16),
-                        mp * 16,
-                        bp.as_ptr().add(2 * jb * pairs * 16),
-                        pairs * 16,
-                        blocks,
-                        &mut sums,
+                    crate::bf16_matmul::amx::block(
+                        &a16[ib * amx::BLOCK * amx::BLOCK..],
+                        mp * amx::BLOCK,
+                        bp,
+                        blocks * amx::BLOCK,
+                        jb * amx::BLOCK,
+                        sums.0.as_mut_ptr(),
+                        amx::BLOCK,
+                        false,
                     );
                     amx::add_into(
                         &sums,
@@ -760,79 +768,24 @@ pub(crate) mod avx512 {
     }
 }
 
-/// AMX tiles for [`mm_rows_bf16_amx`]; the tile configuration is [`crate::bf16_matmul`]'s.
+/// [`mm_rows_bf16_amx`]'s block of sums and its epilogue; the tile kernel and configuration are
+/// the linear layers' ([`crate::bf16_matmul`]).
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use super::avx512::lane_mask;
     use crate::bf16_matmul::{bf16_backend, Bf16Backend};
-    use std::arch::asm;
     use std::arch::x86_64::*;
-    use std::sync::OnceLock;
 
     /// Rows and columns of a block of C (2 × 2 tiles), and values of k per step.
     pub(super) const BLOCK: usize = 32;
 
-    /// A block of C's sums, row-major (rows of 32), aligned for the tile stores.
+    /// A block of C's sums, row-major (rows of 32), aligned for [`add_into`]'s loads.
     #[repr(C, align(64))]
     pub(super) struct Block(pub(super) [f32; BLOCK * BLOCK]);
 
     /// Whether the bf16 backend is AMX (`DIFFTX_BF16_BACKEND=avx512_bf16` says it is not).
     pub(super) fn available() -> bool {
-        static AMX: OnceLock<bool> = OnceLock::new();
-        *AMX.get_or_init(|| bf16_backend() == Some(Bf16Backend::Amx))
-    }
-
-    /// # Safety
-    /// As [`crate::bf16_matmul::amx::ensure_configured`].
-    pub(super) unsafe fn ensure_configured() {
-        crate::bf16_matmul::amx::ensure_configured()
-    }
-
-    /// `out` = the 32 × 32 block of sums of A's rows (`a`: k block `blk` of the block's 32 rows
-    /// at `a + blk·a_step`, 32 rows of 16 pairs) by two panels of B (`b`, and `b + panel`: k
-    /// block `blk` at `blk·256`, 16 pair rows of 16 columns), over `blocks` k blocks.
-    /// Tiles: 0-3 accumulate (rows 0-15 / 16-31 × columns 0-15 / 16-31), 4-5 hold A, 6-7 B.
-    ///
-    /// # Safety
-    /// The tiles are configured on this thread; every tile read lies inside the operands.
-    #[inline(always)]
-    pub(super) unsafe fn block(
-        a: *const u32,
-        a_step: usize,
-        b: *const u32,
-        panel: usize,
-        blocks: usize,
-        out: &mut Block,
-    ) {
-        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
-        let stride = 64usize;
-        for blk in 0..blocks {
-            let a0 = a.add(blk * a_step);
-            let b0 = b.add(blk * 256);
-            asm!(
-                "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm5, [{a1} + {s}*1]",
-                "tileloadd tmm6, [{b0} + {s}*1]",
-                "tileloadd tmm7, [{b1} + {s}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a0, a1 = in(reg) a0.add(16 * 16), b0 = in(reg) b0, b1 = in(reg) b0.add(panel),
-                s = in(reg) stride,
-                options(nostack, readonly),
-            );
-        }
-        let t = out.0.as_mut_ptr();
-        asm!(
-            "tilestored [{t0} + {s}*1], tmm0",
-            "tilestored [{t1} + {s}*1], tmm1",
-            "tilestored [{t2} + {s}*1], tmm2",
-            "tilestored [{t3} + {s}*1], tmm3",
-            t0 = in(reg) t, t1 = in(reg) t.add(16), t2 = in(reg) t.add(16 * BLOCK), t3 = in(reg) t.add(16 * BLOCK + 16),
-            s = in(reg) BLOCK * 4,
-            options(nostack),
-        );
+        bf16_backend() == Some(Bf16Backend::Amx)
     }
 
     /// `C = (acc ? C : 0) + beta·sums` over the block's first `rows` rows and `w` columns (`c`:
