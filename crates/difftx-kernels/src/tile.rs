@@ -158,10 +158,8 @@ fn last(rs: usize, cs: usize, r: usize, c: usize) -> usize {
 }
 
 thread_local! {
-    /// [`mm_rows_bf16_amx`]'s converted operands (`A`, `B`, and `A`'s columns before their
-    /// transpose), kept between calls.
-    static AMX_OPERANDS: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// [`mm_rows_bf16_amx`]'s converted operands (`A`, `B`), kept between calls.
+    static AMX_OPERANDS: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// [`mm_rows_bf16_pairs`]'s converted operands (`A`, `B`), kept between calls.
     static PAIRS: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// [`mm_rows_bf16_rounded`]'s rounded copies of `A` and `B`, kept between calls.
@@ -349,77 +347,29 @@ fn mm_rows_bf16_amx(
     let blocks = k.div_ceil(amx::BLOCK);
     let pairs = blocks * amx::BLOCK / 2;
     AMX_OPERANDS.with(|buf| {
-        let (ap, bp, cols) = &mut *buf.borrow_mut();
-        // A's pair q of k block `blk` in row i at ap[(blk * mp + i) * 16 + q] (as u32: two bf16).
+        let (ap, bp) = &mut *buf.borrow_mut();
+        // A's pair q of k block `blk` in row i at ap[(blk * mp + i) * 16 + q] (as u32: two bf16);
+        // every value is written below (padding included), so growing is the only resize cost.
         ap.resize(blocks * mp * 16, 0);
         if a_cs == 1 {
-            for i in 0..m {
-                let row = &a[i * a_rs..i * a_rs + k];
-                for blk in 0..blocks {
-                    let lo = blk * amx::BLOCK;
-                    let w = (k - lo).min(amx::BLOCK);
-                    let run = &mut ap[(blk * mp + i) * 16..][..16];
-                    // SAFETY: u16 has no stricter alignment than u32; the run holds 32 u16.
-                    let halves = unsafe { std::slice::from_raw_parts_mut(run.as_mut_ptr() as *mut u16, 32) };
-                    // SAFETY: AMX implies AVX512_BF16 (`amx_available`); w values on both sides.
-                    unsafe { to_bf16(&row[lo..lo + w], &mut halves[..w]) };
-                    halves[w..].fill(0);
-                }
-            }
+            // SAFETY: AMX implies AVX512_BF16 (`amx::available`); A's rows hold k values each
+            // (asserted above); `ap` holds blocks · mp runs of 16.
+            unsafe { amx::pack_a_rows(a, a_rs, m, k, mp, ap) };
         } else if a_rs == 1 {
-            // Columns contiguous (a transposed operand): columns 2p and 2p + 1 give pair p of
-            // every row, as runs of `mp` pairs; 16 × 16 transposes put them in rows.
-            cols.resize(pairs * mp, 0);
-            for (p, run) in cols.chunks_exact_mut(mp).enumerate() {
-                let col = |j: usize| &a[j * a_cs..j * a_cs + m];
-                if 2 * p < k {
-                    // SAFETY: as above; the columns hold m values each.
-                    unsafe { to_bf16_pairs(col(2 * p), (2 * p + 1 < k).then(|| col(2 * p + 1)), &mut run[..m]) };
-                    run[m..].fill(0);
-                } else {
-                    run.fill(0);
-                }
-            }
-            for blk in 0..blocks {
-                let src = &cols[blk * 16 * mp..(blk + 1) * 16 * mp];
-                let dst = &mut ap[blk * mp * 16..(blk + 1) * mp * 16];
-                // The transposes move bits only; f32 is the type they do in registers.
-                // SAFETY: u32 and f32 have the same size and alignment.
-                let (src, dst) = unsafe {
-                    (
-                        std::slice::from_raw_parts(src.as_ptr() as *const f32, src.len()),
-                        std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut f32, dst.len()),
-                    )
-                };
-                transpose_into(src, 16, mp, dst, 16);
-            }
+            // SAFETY: as above, A's columns holding m values each.
+            unsafe { amx::pack_a_columns(a, a_cs, m, k, mp, ap) };
         } else {
-            for i in 0..m {
+            for i in 0..mp {
                 for q in 0..pairs {
-                    let at = |p: usize| if p < k { a[i * a_rs + p * a_cs] } else { 0.0 };
+                    let at = |p: usize| if i < m && p < k { a[i * a_rs + p * a_cs] } else { 0.0 };
                     ap[((q / 16) * mp + i) * 16 + q % 16] = bf16_pair(at(2 * q), at(2 * q + 1));
                 }
             }
         }
-        for blk in 0..blocks {
-            ap[(blk * mp + m) * 16..(blk * mp + mp) * 16].fill(0);
-        }
         // B's pair row p, column 16·panel + j at bp[(panel * pairs + p) * 16 + j].
         bp.resize(np / 16 * pairs * 16, 0);
-        for (panel, rows) in bp.chunks_exact_mut(pairs * 16).enumerate() {
-            let j0 = panel * 16;
-            let w = n.saturating_sub(j0).min(16);
-            for (p, run) in rows.chunks_exact_mut(16).enumerate() {
-                if w > 0 && 2 * p < k {
-                    let row = |r: usize| &b[r * ldb + j0..r * ldb + j0 + w];
-                    // SAFETY: as above; the rows hold w values each.
-                    unsafe { to_bf16_pairs(row(2 * p), (2 * p + 1 < k).then(|| row(2 * p + 1)), &mut run[..w]) };
-                    run[w..].fill(0);
-                } else {
-                    run.fill(0);
-                }
-            }
-        }
+        // SAFETY: as above, B's k rows holding n values each; `bp` holds np / 16 panels.
+        unsafe { amx::pack_b_rows(b, ldb, n, k, np, bp) };
         // The linear layers' tile kernel, on A's bf16 values: a 32-row block starts 32 · 32
         // values into a k block, and the k blocks are `mp` rows of 32 apart.
         // SAFETY: u16 has no stricter alignment than u32; `ap` holds 2·len u16.
@@ -786,6 +736,122 @@ mod amx {
     /// Whether the bf16 backend is AMX (`DIFFTX_BF16_BACKEND=avx512_bf16` says it is not).
     pub(super) fn available() -> bool {
         bf16_backend() == Some(Bf16Backend::Amx)
+    }
+
+    /// `row[j..j + 16]` (fewer where `lanes` says so, the rest as zeros) rounded to bf16, one
+    /// value per 32-bit lane (the low half). Lanes past `lanes` are not read.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn halves(row: *const f32, lanes: __mmask16) -> __m512i {
+        let v: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, row)));
+        _mm512_cvtepu16_epi32(v)
+    }
+
+    /// The pairs of two rounded runs (`lo` in the low halves, `hi` in the high ones).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pairs_of(lo: __m512i, hi: __m512i) -> __m512i {
+        _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16))
+    }
+
+    /// `A` with contiguous rows (element `(i, p)` at `a[i * a_rs + p]`) into the tiles' layout:
+    /// row `i`'s values `32·blk ..` as the 16 pairs at `ap[(blk * mp + i) * 16 ..]`, zero past
+    /// `k` and for the rows `m .. mp`. One pass of masked loads and stores, the conversion inline:
+    /// through [`crate::bf16_matmul::to_bf16`] a call per 32 values cost as much as the
+    /// conversion (docs/design.md §7.39).
+    ///
+    /// # Safety
+    /// The CPU has AVX512_BF16; rows `i < m` of `a` hold `k` values; `ap` holds
+    /// `k.div_ceil(32) · mp · 16` values.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pack_a_rows(a: &[f32], a_rs: usize, m: usize, k: usize, mp: usize, ap: &mut [u32]) {
+        let blocks = k.div_ceil(BLOCK);
+        debug_assert!(ap.len() >= blocks * mp * 16);
+        for blk in 0..blocks {
+            let (lo, w) = (blk * BLOCK, k - blk * BLOCK);
+            let (m0, m1) = (lane_mask(w), lane_mask(w.saturating_sub(16)));
+            for i in 0..mp {
+                let out = ap.as_mut_ptr().add((blk * mp + i) * 16) as *mut __m512i;
+                if i >= m {
+                    _mm512_storeu_si512(out, _mm512_setzero_si512());
+                    continue;
+                }
+                // Masked-off lanes are not read: the addresses past the row need not exist.
+                let row = a.as_ptr().wrapping_add(i * a_rs + lo);
+                let l = _mm512_maskz_loadu_ps(m0, row);
+                let h = _mm512_maskz_loadu_ps(m1, row.wrapping_add(16));
+                // The second operand fills the low half (values 0..16).
+                _mm512_storeu_si512(out, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(h, l)));
+            }
+        }
+    }
+
+    /// `A` with contiguous columns (a transposed operand: element `(i, p)` at `a[i + p * a_cs]`)
+    /// into the layout of [`pack_a_rows`]: for 16 rows and one block of 32 values of `k`, the
+    /// columns `2q` and `2q + 1` give pair `q` of the 16 rows (one vector), and a 16 × 16
+    /// transpose in registers puts each row's 16 pairs in one vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX512_BF16; columns `p < k` of `a` hold `m` values; `ap` as in
+    /// [`pack_a_rows`].
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pack_a_columns(a: &[f32], a_cs: usize, m: usize, k: usize, mp: usize, ap: &mut [u32]) {
+        let blocks = k.div_ceil(BLOCK);
+        debug_assert!(ap.len() >= blocks * mp * 16 && mp.is_multiple_of(16));
+        for i0 in (0..mp).step_by(16) {
+            let rows = lane_mask(m.saturating_sub(i0));
+            for blk in 0..blocks {
+                let mut t = [_mm512_setzero_ps(); 16];
+                if rows != 0 {
+                    for (q, tq) in t.iter_mut().enumerate() {
+                        let p = blk * BLOCK + 2 * q;
+                        let col = |p: usize| {
+                            if p < k {
+                                halves(a.as_ptr().wrapping_add(p * a_cs + i0), rows)
+                            } else {
+                                _mm512_setzero_si512()
+                            }
+                        };
+                        *tq = _mm512_castsi512_ps(pairs_of(col(p), col(p + 1)));
+                    }
+                    // Bits only: the transpose moves 32-bit lanes.
+                    super::avx512::transpose16(&mut t);
+                }
+                for (r, &tr) in t.iter().enumerate() {
+                    let out = ap.as_mut_ptr().add((blk * mp + i0 + r) * 16);
+                    _mm512_storeu_si512(out as *mut __m512i, _mm512_castps_si512(tr));
+                }
+            }
+        }
+    }
+
+    /// `B` with contiguous rows (row `p` at `b[p * ldb ..][.. n]`) into panels of 16 columns of
+    /// pairs along `k`: pair row `p`, column `16·panel + j` at `bp[(panel * pairs + p) * 16 + j]`
+    /// (`pairs`: `k` rounded up to 32, halved), zero past `k` and `n` (up to `np`). Each pair of
+    /// rows is read once from start to end into every panel.
+    ///
+    /// # Safety
+    /// The CPU has AVX512_BF16; rows `p < k` of `b` hold `n` values; `bp` holds
+    /// `np / 16 · pairs · 16` values.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pack_b_rows(b: &[f32], ldb: usize, n: usize, k: usize, np: usize, bp: &mut [u32]) {
+        let pairs = k.div_ceil(BLOCK) * BLOCK / 2;
+        debug_assert!(bp.len() >= np / 16 * pairs * 16);
+        for p in 0..pairs {
+            let row = |r: usize, j0: usize, lanes: __mmask16| {
+                if r < k && lanes != 0 {
+                    halves(b.as_ptr().wrapping_add(r * ldb + j0), lanes)
+                } else {
+                    _mm512_setzero_si512()
+                }
+            };
+            for panel in 0..np / 16 {
+                let j0 = panel * 16;
+                let lanes = lane_mask(n.saturating_sub(j0));
+                let v = pairs_of(row(2 * p, j0, lanes), row(2 * p + 1, j0, lanes));
+                _mm512_storeu_si512(bp.as_mut_ptr().add((panel * pairs + p) * 16) as *mut __m512i, v);
+            }
+        }
     }
 
     /// `C = (acc ? C : 0) + beta·sums` over the block's first `rows` rows and `w` columns (`c`:
