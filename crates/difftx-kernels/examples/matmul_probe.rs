@@ -49,7 +49,7 @@ fn probe() {
                 PackedWeight::from_rows_as(&w, 256, precision)
             })
             .collect();
-        for rows in [1usize, 2, 3, 4, 5, 6, 8, 16] {
+        for rows in [1usize, 2, 3, 4, 5, 6, 7, 8, 16] {
             println!("{precision:?} {rows} rows: {:.1} GMAC/s", rows_gmacs(&ws, rows, 100));
         }
         // One 256 × 256 weight (256 KiB in f32, kept in cache): the kernel's own speed, to set
