@@ -258,7 +258,9 @@ struct GenerateArgs {
     /// the same --temperature, --top-k, --top-p and --seed; what changes is the speed: faster when
     /// reading the weights from memory bounds a step, as f32 at batch 1 does on most hosts
     /// (docs/design.md §7.27, §7.32), slower where the f32 weights stay in the L3 cache (a Zen 4
-    /// with 32 MiB: 0.67-1.00x plain, §7.34); `difftx bench` measures both. Needs --weights f32.
+    /// with 32 MiB: 0.67-1.00x plain, §7.34), and more so where they fit it but not with the
+    /// draft's (bench-s on a Zen 3 with 32 MiB: 0.52-0.76x, §7.42); `difftx bench` measures both.
+    /// Needs --weights f32.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
 }
@@ -294,7 +296,8 @@ struct ServeArgs {
     /// them in one pass (`generate --speculative`). A request gets the same text as without,
     /// greedy or sampled with its seed; a lone request is faster where reading the weights from
     /// memory bounds a step (f32 weights: docs/design.md §7.27, §7.32), no faster where they
-    /// stay in the L3 cache (§7.34), at the cost of the copy's memory (half the f32 weights) and
+    /// stay in the L3 cache (§7.34), slower where they fit it but not with the copy's (§7.42:
+    /// 0.52-0.76x on a Zen 3), at the cost of the copy's memory (half the f32 weights) and
     /// its cache per request. Needs --weights f32, bf16 or int8.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
     speculative: Option<u64>,
