@@ -731,7 +731,18 @@ mod pairs_avx2 {
         const C: usize = super::PANEL;
         let mut rows = at.checked_rows::<R>(y);
         let PairRows { xp, pairs, panel, chunk, r0, .. } = at;
-        let halves = |pair: u32| (f32::from_bits(pair << 16), f32::from_bits(pair & 0xffff_0000));
+        // Each row's pairs of the chunk split into their f32 halves once, [low, high] per pair,
+        // so that the passes below broadcast them from memory (a load) rather than from a
+        // register (a vector instruction beside the multiply-adds, two per row and pair).
+        let mut halves = [[0f32; 2 * super::CHUNK_PAIRS]; R];
+        for (r, h) in halves.iter_mut().enumerate() {
+            for (p, pair) in chunk.clone().enumerate() {
+                // SAFETY: checked_rows checked that xp holds rows r0..r0 + R of every pair.
+                let pair = unsafe { *xp.get_unchecked((r0 + r) * pairs + pair) };
+                h[2 * p] = f32::from_bits(pair << 16);
+                h[2 * p + 1] = f32::from_bits(pair & 0xffff_0000);
+            }
+        }
         // SAFETY (every intrinsic below): the features are the caller's contract; the bounds as
         // in pairs_native (checked).
         unsafe {
@@ -745,15 +756,14 @@ mod pairs_avx2 {
                         }
                     }
                 }
-                for p in chunk.clone() {
+                for (q, p) in chunk.clone().enumerate() {
                     let w: [__m256i; 2] = std::array::from_fn(|h| {
                         _mm256_loadu_si256(panel.as_ptr().add(p * C + c + 8 * h) as *const __m256i)
                     });
                     let lo = w.map(|v| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)));
                     let hi = w.map(|v| _mm256_castsi256_ps(_mm256_and_si256(v, high)));
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let (xl, xh) = halves(*xp.get_unchecked((r0 + r) * pairs + p));
-                        let (xl, xh) = (_mm256_set1_ps(xl), _mm256_set1_ps(xh));
+                    for (a, h) in acc.iter_mut().zip(&halves) {
+                        let (xl, xh) = (_mm256_broadcast_ss(&h[2 * q]), _mm256_broadcast_ss(&h[2 * q + 1]));
                         for (h, v) in a.iter_mut().enumerate() {
                             *v = _mm256_fmadd_ps(xl, lo[h], _mm256_fmadd_ps(xh, hi[h], *v));
                         }
