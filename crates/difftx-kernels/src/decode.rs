@@ -54,8 +54,9 @@ mod body {
     /// (the columns summed per pass) fits the register file: 64 with AVX-512's 32 wide registers,
     /// 16 with AVX2's 16, where 4 × 64 sums (and 3 × 32) spilled to the stack. AVX2 takes six rows
     /// a group (12 registers of sums, two of weights, one broadcast): on a Zen 3, 15-30% more
-    /// multiply-adds per second than four from five rows up, the same below (design.md §7.41). The sums carry over chunks through y, in
-    /// input order, so the result depends on neither `CB` nor `CHUNK`. `FMA` picks fused
+    /// multiply-adds per second than four from five rows up, the same below (design.md §7.41).
+    /// The sums carry over chunks through y, in input order, so the result depends on neither
+    /// `CB` nor `CHUNK`. `FMA` picks fused
     /// multiply-adds (only where the CPU has them).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
@@ -311,31 +312,23 @@ mod body {
                     }
                 }
                 for i in 0..len {
-                    if CB == G {
-                        // One group (three rows or more): its weights first, then each row's
-                        // broadcast and its two multiply-adds, one broadcast live at a time. With
-                        // every row's broadcast made first (as below), LLVM kept all six of a
-                        // six-row group in registers and spilled sums to the stack instead.
-                        let run = runs[0];
-                        if R > 1 && r0 == 0 {
-                            prefetch(run.as_ptr().wrapping_add(len * C + i * b));
-                        }
-                        let w = E::load_avx2(run[i * b..i * b + G].try_into().unwrap());
-                        for (a, x) in acc.iter_mut().zip(&xs) {
-                            let xr = _mm256_set1_ps(x[i]);
-                            a[0] = _mm256_fmadd_ps(xr, w[0], a[0]);
-                            a[1] = _mm256_fmadd_ps(xr, w[1], a[1]);
-                        }
-                        continue;
-                    }
-                    let xv: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(xs[r][i]));
+                    // With several groups (one or two rows) each row's broadcast serves them all,
+                    // made once; with one (three rows or more) each is made just before its two
+                    // multiply-adds, one live at a time: made first, LLVM kept all six of a
+                    // six-row group in registers and spilled sums to the stack instead.
+                    let xv: [__m256; R] = if CB > G {
+                        std::array::from_fn(|r| _mm256_set1_ps(xs[r][i]))
+                    } else {
+                        [_mm256_setzero_ps(); R]
+                    };
                     for (g, run) in runs.iter().take(CB / G).enumerate() {
                         if R > 1 && r0 == 0 {
                             // The same place in the next chunk, as in `chunk`.
                             prefetch(run.as_ptr().wrapping_add(len * C + i * b));
                         }
                         let w = E::load_avx2(run[i * b..i * b + G].try_into().unwrap());
-                        for (a, &xr) in acc.iter_mut().zip(&xv) {
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let xr = if CB > G { xv[r] } else { _mm256_set1_ps(xs[r][i]) };
                             a[2 * g] = _mm256_fmadd_ps(xr, w[0], a[2 * g]);
                             a[2 * g + 1] = _mm256_fmadd_ps(xr, w[1], a[2 * g + 1]);
                         }
@@ -539,7 +532,7 @@ mod body {
 
     /// The f32 values of a pair's low (even input) and high (odd input) halves.
     #[inline(always)]
-    fn halves(pair: u32) -> (f32, f32) {
+    pub(super) fn halves(pair: u32) -> (f32, f32) {
         (f32::from_bits(pair << 16), f32::from_bits(pair & 0xffff_0000))
     }
 
@@ -713,7 +706,7 @@ mod pairs_native {
 /// plain code with FMA: the same bits. Runs at AVX-512 too where the CPU lacks AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
 mod pairs_avx2 {
-    use super::body::{pair_chunks, PairRows};
+    use super::body::{halves, pair_chunks, PairRows};
     use super::OutColumns;
     use std::arch::x86_64::*;
 
@@ -734,13 +727,11 @@ mod pairs_avx2 {
         // Each row's pairs of the chunk split into their f32 halves once, [low, high] per pair,
         // so that the passes below broadcast them from memory (a load) rather than from a
         // register (a vector instruction beside the multiply-adds, two per row and pair).
-        let mut halves = [[0f32; 2 * super::CHUNK_PAIRS]; R];
-        for (r, h) in halves.iter_mut().enumerate() {
+        let mut split = [[0f32; 2 * super::CHUNK_PAIRS]; R];
+        for (r, h) in split.iter_mut().enumerate() {
             for (p, pair) in chunk.clone().enumerate() {
                 // SAFETY: checked_rows checked that xp holds rows r0..r0 + R of every pair.
-                let pair = unsafe { *xp.get_unchecked((r0 + r) * pairs + pair) };
-                h[2 * p] = f32::from_bits(pair << 16);
-                h[2 * p + 1] = f32::from_bits(pair & 0xffff_0000);
+                (h[2 * p], h[2 * p + 1]) = halves(unsafe { *xp.get_unchecked((r0 + r) * pairs + pair) });
             }
         }
         // SAFETY (every intrinsic below): the features are the caller's contract; the bounds as
@@ -762,7 +753,7 @@ mod pairs_avx2 {
                     });
                     let lo = w.map(|v| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)));
                     let hi = w.map(|v| _mm256_castsi256_ps(_mm256_and_si256(v, high)));
-                    for (a, h) in acc.iter_mut().zip(&halves) {
+                    for (a, h) in acc.iter_mut().zip(&split) {
                         let (xl, xh) = (_mm256_broadcast_ss(&h[2 * q]), _mm256_broadcast_ss(&h[2 * q + 1]));
                         for (h, v) in a.iter_mut().enumerate() {
                             *v = _mm256_fmadd_ps(xl, lo[h], _mm256_fmadd_ps(xh, hi[h], *v));
