@@ -182,6 +182,9 @@ def main():
             row["pytorch"][key] = get(theirs, "ratios", key)
         for fam in ["baseline", "diff-v1"]:
             row["difftx"][f"decode_{fam}_batched_tokens_per_sec"] = get(ours, "decode", fam, "batched_tokens_per_sec")
+            row["difftx"][f"decode_{fam}_batched_bf16_kv_cache_tokens_per_sec"] = get(
+                ours, "decode", fam, "batched_tokens_per_sec_bf16_kv_cache"
+            )
             row["difftx"][f"decode_{fam}_batched_bf16_weights_and_kv_cache_tokens_per_sec"] = get(
                 ours, "decode", fam, "batched_tokens_per_sec_bf16_weights_and_kv_cache"
             )

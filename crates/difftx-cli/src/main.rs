@@ -841,6 +841,10 @@ struct BenchArgs {
     /// Skip every training measurement (decode and attn-long only).
     #[arg(long)]
     no_train: bool,
+    /// Skip every decode measurement (training and attn-long only: a profile of the training
+    /// steps alone).
+    #[arg(long)]
+    no_decode: bool,
     /// Numbers of sequences the fused decoder steps together (comma separated; default 1,4,16).
     #[arg(long, value_delimiter = ',')]
     decode_batches: Option<Vec<usize>>,
@@ -870,6 +874,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     opts.train = !a.no_train;
     opts.bf16 = !a.no_bf16;
+    if a.no_decode {
+        opts.decode_tokens = 0;
+    }
     if let Some(b) = a.decode_batches {
         opts.decode_batches = b;
     }

@@ -26,6 +26,7 @@ fn quick_bench_reports_every_part() {
         // Several sequences at once, at every cache precision timed, for every batch asked for.
         for key in [
             "batched_tokens_per_sec",
+            "batched_tokens_per_sec_bf16_kv_cache",
             "batched_tokens_per_sec_bf16_weights_and_kv_cache",
             "batched_tokens_per_sec_bf16_weights_int8_kv_cache",
         ] {
