@@ -13,9 +13,9 @@
 //! * `decode`: tokens/s generating `decode_tokens` new tokens after a short prompt, batch 1,
 //!   greedy — the fused decoder (what `generate` runs), the tensor path beside it, and the fused
 //!   decoder stepping `decode_batches` sequences at once, with f32, with f32 weights and a bf16 KV
-//!   cache, with bf16 weights and KV cache, and with bf16 weights and an int8 KV cache. The families' fused decoders are timed
-//!   side by side too, a block of steps of each in turn, and each of their figures is the median
-//!   of `DECODE_RUNS` runs.
+//!   cache, with bf16 weights and KV cache, and with bf16 weights and an int8 KV cache. The
+//!   families' fused decoders are timed side by side too, a block of steps of each in turn, and
+//!   each of their figures is the median of `DECODE_RUNS` runs.
 //! * `cpu`: the CPU's model name and ISA extensions, so every report says where it ran.
 //! * `host_matmul`: the GFLOP/s of one f32 product of the training step's shape (a SwiGLU input
 //!   projection, `[batch·seq, d_model] · [d_ff, d_model]ᵀ`) before the training runs and after
@@ -599,22 +599,24 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
     // Several sequences at once: f32; f32 weights with a bf16 KV cache; bf16 weights with a bf16
     // or an int8 KV cache (the bytes a step reads halved or more: what bounds many sequences once
     // their caches outgrow the last-level cache, design.md §7.24 and §7.44).
+    // Per family, each batched figure's key and its tokens/s by batch size.
     let mut batched: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
-    let mut batched_bf16_cache: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
-    let mut batched_bf16: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
-    let mut batched_int8_cache: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
-    for (into, weights, kv) in [
-        (&mut batched, WeightPrecision::F32, KvPrecision::F32),
-        (&mut batched_bf16_cache, WeightPrecision::F32, KvPrecision::Bf16),
-        (&mut batched_bf16, WeightPrecision::Bf16, KvPrecision::Bf16),
-        (&mut batched_int8_cache, WeightPrecision::Bf16, KvPrecision::Int8),
+    for (key, weights, kv) in [
+        ("batched_tokens_per_sec", WeightPrecision::F32, KvPrecision::F32),
+        ("batched_tokens_per_sec_bf16_kv_cache", WeightPrecision::F32, KvPrecision::Bf16),
+        ("batched_tokens_per_sec_bf16_weights_and_kv_cache", WeightPrecision::Bf16, KvPrecision::Bf16),
+        ("batched_tokens_per_sec_bf16_weights_int8_kv_cache", WeightPrecision::Bf16, KvPrecision::Int8),
     ] {
         let mut decoders = models.iter().map(|m| Decoder::with_precision(m, weights)).collect::<Result<Vec<_>, _>>()?;
         decoders.iter_mut().for_each(|d| d.set_kv_precision(kv));
+        let mut by_batch: Vec<Map<String, Value>> = vec![Map::new(); models.len()];
         for &b in &opts.decode_batches {
-            for (into, runs) in into.iter_mut().zip(decode_median(&decoders, &prompts, b, n, false)?) {
+            for (into, runs) in by_batch.iter_mut().zip(decode_median(&decoders, &prompts, b, n, false)?) {
                 into.insert(b.to_string(), json!(per_sec(b * n.saturating_sub(1), runs.median_secs)));
             }
+        }
+        for (into, figures) in batched.iter_mut().zip(by_batch) {
+            into.insert(key.into(), Value::Object(figures));
         }
     }
     let speculative = bench_speculative(&models, &prompts, n)?;
@@ -636,21 +638,20 @@ fn bench_decode(opts: &BenchOptions) -> Result<Map<String, Value>> {
         if alone[i].tokens != *out {
             bail!("the fused decoder chose different greedy tokens alone and beside the others ({family})");
         }
-        let r = json!({
+        let mut r = json!({
             "tokens_per_sec": per_sec(out.len(), *secs),
             "tokens_per_sec_runs": runs.iter().map(|&r| per_sec(out.len(), r)).collect::<Vec<_>>(),
             "tokens_per_sec_alone": per_sec(out.len(), alone[i].median_secs),
             "tokens_per_sec_forward_path": per_sec(out_forward.len(), secs_forward),
             "tokens_per_sec_by_weight_precision": reduced[i],
-            "batched_tokens_per_sec": batched[i],
-            "batched_tokens_per_sec_bf16_kv_cache": batched_bf16_cache[i],
-            "batched_tokens_per_sec_bf16_weights_and_kv_cache": batched_bf16[i],
-            "batched_tokens_per_sec_bf16_weights_int8_kv_cache": batched_int8_cache[i],
             "speculative": speculative[i],
             "new_tokens": out.len(), "prompt_tokens": prompts[i].len(), "secs": (secs * 1e3).round() / 1e3,
             "includes_prefill": true,
             "notes": format!("families timed side by side, {DECODE_BLOCK} decode steps of each in turn (the forward path: one family after the other); every fused-decoder figure is the median of {DECODE_RUNS} runs; tokens_per_sec: the fused decoder, f32, prompt included (tokens_per_sec_runs: each run's); tokens_per_sec_alone: the same with this family's decoder alone in the process, timed after the f32 side-by-side runs (as generate and serve run one model); tokens_per_sec_forward_path: Model::forward with a KV cache; tokens_per_sec_by_weight_precision: the fused decoder with bf16 / int8 weights; batched_tokens_per_sec: sequences stepped together by the fused decoder (total new tokens/s, prefill excluded); batched_tokens_per_sec_bf16_kv_cache: the same with f32 weights and a bf16 KV cache; batched_tokens_per_sec_bf16_weights_and_kv_cache: the same with bf16 weights and a bf16 KV cache; batched_tokens_per_sec_bf16_weights_int8_kv_cache: bf16 weights and an int8 KV cache; speculative: batch 1, the f32 decoder checking {SPECULATIVE_DRAFT} drafts per pass of a bf16 copy (bf16 weights and cache), the same greedy tokens as f32, prompt included, each run alternated with plain f32 decoding (tokens_per_sec_plain_alternated; over_plain: the ratio of the medians), acceptance: the share of drafts kept"),
         });
+        if let Value::Object(fields) = &mut r {
+            fields.append(&mut batched[i]);
+        }
         eprintln!("bench: decode {family}: {r}");
         report.insert(family.as_str().into(), r);
     }
