@@ -754,13 +754,21 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
     if opts.steps == 0 || opts.batch_size == 0 || opts.seq_len == 0 {
         bail!("benchmark steps, batch size and sequence length must be positive");
     }
+    let measures_training = opts.train && !opts.families.is_empty();
+    let measures_decode = opts.decode_tokens > 0 && !opts.families.is_empty();
+    let measures_attn = !opts.attn_lengths.is_empty() && !opts.attn_families.is_empty();
+    if !(measures_training || measures_decode || measures_attn) {
+        bail!(
+            "nothing to benchmark: training, decoding and attn-long are all skipped (--no-train, --no-decode and --no-attn together, or no family); leave one of them on"
+        );
+    }
     let mut train = Map::new();
     let mut train_bf16 = Map::new();
     let mut paired_ratios = Map::new();
     let mut decode = Map::new();
     let bf16 = opts.bf16 && Precision::bf16_faster_than_f32();
     let (matmul_before, matmul_shape) = host_matmul_gflops(opts)?;
-    if opts.train && !opts.families.is_empty() {
+    if measures_training {
         // Every family in f32 (and in bf16 where available), their timed steps interleaved.
         let mut runs = Vec::new();
         for &f in &opts.families {
@@ -797,7 +805,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         eprintln!("bench: {r}");
         reference.insert(f.as_str().into(), r);
     }
-    if opts.decode_tokens > 0 && !opts.families.is_empty() {
+    if measures_decode {
         let names: Vec<&str> = opts.families.iter().map(|f| f.as_str()).collect();
         eprintln!("bench: decoding {} side by side ...", names.join(", "));
         decode = bench_decode(opts)?;

@@ -98,3 +98,18 @@ fn rss_is_read_from_proc() {
     assert!(hwm2 >= hwm + 60.0 || hwm2 >= rss + 60.0, "{hwm} -> {hwm2}");
     assert_eq!(v[12345], 1);
 }
+
+/// Skipping training, decoding and attn-long together leaves nothing to time: an error that says
+/// so, before any model is built, instead of a report with no figures.
+#[test]
+fn a_bench_with_every_part_skipped_is_refused() {
+    let mut opts = BenchOptions::quick(AttnRunner::InProcess);
+    opts.train = false;
+    opts.decode_tokens = 0;
+    opts.attn_lengths.clear();
+    let err = run_bench(&opts).unwrap_err().to_string();
+    assert!(err.contains("nothing to benchmark"), "{err}");
+    // Any one part left on is a benchmark.
+    opts.attn_lengths = vec![64];
+    assert!(run_bench(&opts).is_ok());
+}
