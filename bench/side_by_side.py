@@ -13,10 +13,11 @@ difftx also times diff-v2 (PyTorch has no counterpart): its step-time ratio over
 every DIFF / baseline step ratio again as the median of the round's paired steps with a 95%
 interval (`..._paired`, from `difftx bench`).
 
-The report ends with a `summary`: each figure's lowest and highest value over the rounds, for
-each target of issue #10 that a round can check, in how many rounds it was met, and for each
-paired step ratio, in how many rounds its interval lay wholly below 1.10, wholly above it, or
-around it.
+The report and each round say when they ran (`started_utc`, `finished_utc`: shared hosts change
+speed by the hour). It ends with a `summary`: each figure's lowest and highest value over the
+rounds, for each target of issue #10 that a round can check, in how many rounds it was met, and
+for each paired step ratio, in how many rounds its interval lay wholly below 1.10, wholly above
+it, or around it.
 
 Usage:
     python3 bench/side_by_side.py --python /tmp/hfvenv/bin/python [--rounds 2] [--no-train]
@@ -31,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,6 +77,12 @@ TARGETS = [
     ("diff-v1 speculative decode >= 2,000 tokens/s", "difftx", "decode_diff-v1_speculative_tokens_per_sec",
      lambda x: x >= 2000),
 ]
+
+
+def utc_now():
+    """The wall-clock time in UTC, to the second: when a set and each of its rounds ran, for
+    labelling the figures (shared hosts change speed by the hour)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def summarize(rounds):
@@ -143,12 +151,15 @@ def main():
         common.append("--no-attn")
     rounds = []
     cpu = None
+    started = utc_now()
     for r in range(a.rounds):
+        round_started = utc_now()
         # diff-v2 on difftx's side only: PyTorch has no DIFF V2 model.
         ours = run_json([a.difftx, "bench", "--no-reference", "--families", "baseline,diff-v1,diff-v2", *common])
         theirs = run_json([a.python, os.path.join(HERE, "pytorch_ref.py"), "--families", "baseline,diff-v1", *common])
         cpu = ours.get("cpu", cpu)
-        row = {"round": r + 1, "difftx": {}, "pytorch": {}, "ratio_difftx_over_pytorch": {}}
+        row = {"round": r + 1, "started_utc": round_started, "finished_utc": utc_now()}
+        row.update({"difftx": {}, "pytorch": {}, "ratio_difftx_over_pytorch": {}})
         for part in ["train", "decode"]:
             for fam in ["baseline", "diff-v1"]:
                 key = f"{part}_{fam}_tokens_per_sec"
@@ -208,7 +219,8 @@ def main():
             row["pytorch"]["attn_long"] = theirs.get("attn_long")
         rounds.append(row)
         print(json.dumps(row["ratio_difftx_over_pytorch"]), file=sys.stderr)
-    report = {"cpu": cpu, "pytorch_engine": theirs.get("engine"), "rounds": rounds, "summary": summarize(rounds)}
+    report = {"cpu": cpu, "pytorch_engine": theirs.get("engine"), "started_utc": started, "finished_utc": utc_now()}
+    report.update({"rounds": rounds, "summary": summarize(rounds)})
     print(json.dumps(report, indent=2))
 
 
