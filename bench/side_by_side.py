@@ -158,8 +158,14 @@ def main():
         ours = run_json([a.difftx, "bench", "--no-reference", "--families", "baseline,diff-v1,diff-v2", *common])
         theirs = run_json([a.python, os.path.join(HERE, "pytorch_ref.py"), "--families", "baseline,diff-v1", *common])
         cpu = ours.get("cpu", cpu)
-        row = {"round": r + 1, "started_utc": round_started, "finished_utc": utc_now()}
-        row.update({"difftx": {}, "pytorch": {}, "ratio_difftx_over_pytorch": {}})
+        row = {
+            "round": r + 1,
+            "started_utc": round_started,
+            "finished_utc": utc_now(),
+            "difftx": {},
+            "pytorch": {},
+            "ratio_difftx_over_pytorch": {},
+        }
         for part in ["train", "decode"]:
             for fam in ["baseline", "diff-v1"]:
                 key = f"{part}_{fam}_tokens_per_sec"
@@ -219,8 +225,14 @@ def main():
             row["pytorch"]["attn_long"] = theirs.get("attn_long")
         rounds.append(row)
         print(json.dumps(row["ratio_difftx_over_pytorch"]), file=sys.stderr)
-    report = {"cpu": cpu, "pytorch_engine": theirs.get("engine"), "started_utc": started, "finished_utc": utc_now()}
-    report.update({"rounds": rounds, "summary": summarize(rounds)})
+    report = {
+        "cpu": cpu,
+        "pytorch_engine": theirs.get("engine"),
+        "started_utc": started,
+        "finished_utc": utc_now(),
+        "rounds": rounds,
+        "summary": summarize(rounds),
+    }
     print(json.dumps(report, indent=2))
 
 

@@ -798,7 +798,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Value> {
         }
     }
     let mut reference = Map::new();
-    if let Some(f) = opts.reference_family.filter(|_| opts.train) {
+    if let Some(f) = opts.reference_family.filter(|_| measures_training) {
         eprintln!("bench: training {f} with reference kernels ...");
         let mut run = [TrainBench::new(opts, f, Kernels::Reference, Precision::F32)?];
         let r = bench_train_interleaved(opts, &mut run, opts.reference_steps.max(1))?.remove(0);
