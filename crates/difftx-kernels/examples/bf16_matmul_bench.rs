@@ -6,6 +6,9 @@
 //! Usage: `cargo run --release -p difftx-kernels --example bf16_matmul_bench [-- TOKENS:IN:OUT ...]`
 //! (default: bench-s's projections at 2048 tokens: 256→256, 256→704, 704→256). Prints one JSON
 //! document: median milliseconds and GFLOP/s per path; backends this CPU lacks are left out.
+//!
+//! Runs on a thread of rayon's pool, as training's steps do (`difftx_train::on_pool`; from
+//! outside it every product would wait for a sleeping worker to wake, docs/design.md §7.47).
 
 use candle_core::{Device, Result, Tensor};
 use difftx_kernels::bf16_matmul::{bf16_backend_available, matmul_into, Bf16Backend, MatRef};
@@ -37,6 +40,10 @@ fn view(t: &Tensor) -> (Vec<f32>, usize, usize, usize, usize) {
 }
 
 fn main() -> Result<()> {
+    rayon::scope(|_| bench())
+}
+
+fn bench() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let shapes: Vec<(usize, usize, usize)> = if args.is_empty() {
         vec![(2048, 256, 256), (2048, 256, 704), (2048, 704, 256)]

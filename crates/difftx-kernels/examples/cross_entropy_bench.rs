@@ -5,6 +5,9 @@
 //! (default: 2048:256, bench-s's batch of 8 × 256 over the byte vocabulary, and 2048:32000, a
 //! BPE vocabulary). Prints one JSON document: median milliseconds per forward + backward of
 //! each path and their ratio, interleaved over repetitions so that machine noise hits both.
+//!
+//! Runs on a thread of rayon's pool, as training's steps do (`difftx_train::on_pool`; from
+//! outside it every call would wait for a sleeping worker to wake, docs/design.md §7.47).
 
 use candle_core::{Device, Result, Tensor, Var};
 use std::time::Instant;
@@ -32,6 +35,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
+    rayon::scope(|_| bench())
+}
+
+fn bench() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let shapes: Vec<(usize, usize)> = if args.is_empty() {
         vec![(2048, 256), (2048, 32000)]

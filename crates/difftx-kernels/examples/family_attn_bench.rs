@@ -10,6 +10,12 @@
 //! comparing kernels; not a test. Every family runs with both tile products, f32 and bf16
 //! (`TileProducts`; bf16 emulated by rounded copies where the CPU lacks AVX512_BF16), one line
 //! each.
+//!
+//! The rounds run on a thread of rayon's pool, as training's steps do (`difftx_train::on_pool`):
+//! called from outside it, each kernel handed its tasks to workers that had often gone to sleep
+//! since the last call, and on a 2-core virtual machine the forward then ran on one of them for
+//! whole calls (alternately ~5 and ~10 ms for diff-v2's f32 forward on the Zen 4 of
+//! docs/design.md §7.47).
 
 use candle_core::{Device, Result, Tensor, Var};
 use difftx_kernels::profile::{attention_time, Pass};
@@ -70,6 +76,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
+    rayon::scope(|_| bench())
+}
+
+fn bench() -> Result<()> {
     let rounds: usize = std::env::args().nth(1).map_or(Ok(20), |r| args::parse(&r, "ROUNDS", USAGE))?;
     let only = std::env::args().nth(2).filter(|f| f != "all");
     let products: Vec<TileProducts> = match std::env::args().nth(3).as_deref() {
